@@ -1,0 +1,586 @@
+"""The run configuration: typed sections, layered sources, validation before any model loads.
+
+Priority (highest wins): ``--set section.key=value`` > environment ``MOGRPO_SECTION__KEY`` >
+the YAML file > the defaults below. Every field carries its documentation in the docstring
+right under it; ``mogrpo config show`` prints where each resolved value came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mogrpo.errors import ConfigError
+
+ENV_PREFIX = "MOGRPO_"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str | None = None
+    """Hugging Face causal LM: a local directory or a hub id (required)."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id when it differs from the model's."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight dtype; `auto` is float32 on CPU and bfloat16 (or float16) on GPU."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, ~30 % slower steps."""
+    attn_implementation: str | None = None
+    """Attention kernel passed to transformers (`eager`, `sdpa`, `flash_attention_2`)."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository to run (only for models you trust)."""
+    load_in_4bit: bool = False
+    """Load weights in 4-bit NF4 via bitsandbytes (CUDA only; `pip install mogrpo[gpu]`)."""
+    use_chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights; the reference is then the adapter-free base."""
+    r: int = Field(8, ge=1)
+    """LoRA rank."""
+    alpha: int = Field(16, ge=1)
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names to adapt, e.g. [q_proj, k_proj, v_proj, o_proj], or `all-linear`."""
+
+
+class RewardConfig(Section):
+    fn: str
+    """A built-in reward (`mc_correct`, `format`, `length_penalty`) or `package.module:function`."""
+    weight: float = 1.0
+    """Weight of this objective when the objectives are combined into one advantage."""
+    name: str | None = None
+    """Name used in metrics; defaults to the function's name."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed to the function on every call."""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.fn.rsplit(":", 1)[-1]
+
+
+class TaskConfig(Section):
+    data: str
+    """Prompt data: a JSONL/CSV/TSV file, or `builtin:NAME` for a built-in synthetic task."""
+    eval_data: str | None = None
+    """Held-out prompts for the greedy evaluation; default: `eval_size` rows split off `data`."""
+    eval_size: int = Field(0, ge=0)
+    """Rows split off `data` for evaluation when `eval_data` is not given (0 = no eval)."""
+    format: Literal["auto", "prompt", "chat", "multiple_choice"] = "auto"
+    """Row schema; `auto` detects multiple-choice, chat `messages` or `prompt` rows."""
+    prompt_template: str | None = None
+    """Multiple-choice prompt template with `{question}`, `{options}` and any column."""
+    system_prompt: str | None = None
+    """System message prepended when the chat template is used."""
+    drop_incomplete: bool = False
+    """Skip rows with empty required fields (counted and logged) instead of failing."""
+    rewards: list[RewardConfig] = Field(default_factory=list)
+    """Reward functions of this task; each is one objective."""
+    weight: float = Field(1.0, gt=0)
+    """This task's share of the prompts in each step (relative to the other tasks)."""
+    beta: float = Field(0.04, ge=0)
+    """KL coefficient toward the reference model for this task (0 = no KL term)."""
+    sft_target: str | None = None
+    """SFT warm-up target template over the row's columns; default: the `completion`
+    column, or `Answer: {correct_answer}` for multiple-choice rows."""
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        # `rewards: [mc_correct, format]` is shorthand for `[{fn: mc_correct}, {fn: format}]`.
+        if isinstance(value, list):
+            return [{"fn": v} if isinstance(v, str) else v for v in value]
+        return value
+
+
+class RolloutConfig(Section):
+    num_generations: int = 4
+    """K: completions sampled per prompt (the group of group-relative advantages); ≥ 2."""
+    max_seq_length: int = Field(512, ge=2)
+    """Token budget for prompt + completion."""
+    length_allocation: Literal["explicit", "balanced", "prompt_heavy", "completion_heavy"] = (
+        "explicit"
+    )
+    """How prompt and completion lengths are derived from `max_seq_length`: `explicit` uses
+    the two lengths below (a missing one gets the remainder); `balanced` splits 50/50,
+    `prompt_heavy` 75/25, `completion_heavy` 25/75."""
+    max_prompt_length: int | None = Field(None, ge=1)
+    """Prompt tokens kept (longer prompts are cut from the left)."""
+    max_completion_length: int | None = Field(None, ge=1)
+    """Maximum new tokens per completion (a completion that reaches it is `truncated`)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; log-probs are computed at the same temperature."""
+    top_k: int = Field(0, ge=0)
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off)."""
+    min_p: float = Field(0.0, ge=0, lt=1)
+    """Drop tokens below min_p × the top probability (0 = off)."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every token already generated (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtract this × the count of each token already generated."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a completion (e.g. [128001, 128009]); default: the model's EOS."""
+
+    @property
+    def prompt_length(self) -> int:
+        return derive_lengths(self)[0]
+
+    @property
+    def completion_length(self) -> int:
+        return derive_lengths(self)[1]
+
+
+class AlgorithmConfig(Section):
+    advantage_combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Combine objectives before group normalisation, or normalise each first (MO-GRPO)."""
+    advantage_scaling: Literal["group", "batch", "none"] = "group"
+    """Divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
+    epsilon_low: float = Field(0.2, ge=0, lt=1)
+    """Lower clip range of the importance ratio (1 - ε_low)."""
+    epsilon_high: float = Field(0.2, ge=0)
+    """Upper clip range (1 + ε_high); DAPO's clip-higher uses 0.28."""
+    num_iterations: int = Field(1, ge=1)
+    """μ: optimisation passes over each rollout batch."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator from Schulman (2020); k3 is unbiased and always ≥ 0."""
+    kl_importance_weight: bool = False
+    """Weight the KL estimate by the importance ratio when μ > 1 (off-policy correction)."""
+    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length"] = "seq_mean"
+    """Per-sequence mean (GRPO), per-token over the batch (DAPO), or fixed length (Dr. GRPO)."""
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps of GRPO."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Completions per forward/backward pass (what memory depends on)."""
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step; gradients are summed, never overwritten."""
+    learning_rate: float = Field(1e-5, gt=0)
+    """Peak AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear learning-rate warm-up."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+
+
+class SFTConfig(Section):
+    enabled: bool = False
+    """Run a supervised warm-up on the tasks' targets before GRPO."""
+    steps: int = Field(100, ge=1)
+    """Optimizer steps of the warm-up."""
+    batch_size: int = Field(8, ge=1)
+    """Examples per warm-up step."""
+    max_length: int = Field(256, ge=2)
+    """Token limit of prompt + target in the warm-up."""
+    learning_rate: float = Field(1e-4, gt=0)
+    """Warm-up learning rate (constant after a short linear warm-up)."""
+    max_examples: int | None = Field(None, ge=1)
+    """Use at most this many examples per task for the warm-up."""
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Greedy evaluation every N GRPO steps (0 = only before and after GRPO)."""
+    max_samples: int = Field(64, ge=1)
+    """Held-out prompts evaluated per task."""
+    at_start: bool = True
+    """Evaluate before GRPO starts (the baseline the run is compared with)."""
+    reward: str | None = None
+    """Reward label scored as the task's eval score; default: the task's first reward."""
+
+
+class LoggingConfig(Section):
+    log_every: int = Field(1, ge=1)
+    """Print a metrics line every N steps (the JSONL file gets every step)."""
+    progress_bar: bool = True
+    """Show a progress bar (off automatically when output is not a terminal)."""
+    level: Literal["debug", "info", "warning"] = "info"
+    """Console log level."""
+
+
+class OutputConfig(Section):
+    dir: str = "runs/mogrpo"
+    """Run directory: metrics.jsonl, config.yaml and the final model go here."""
+    overwrite: bool = False
+    """Allow writing into a run directory that already holds a finished run."""
+    save_merged: bool = True
+    """For LoRA runs, also save a merged full model next to the adapter (loads with plain
+    transformers); full fine-tuning always saves the full model."""
+
+
+class RunConfig(Section):
+    seed: int = 0
+    """Seed for Python, NumPy and torch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train; `auto` picks CUDA when available."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters."""
+    tasks: dict[str, TaskConfig] = Field(default_factory=dict)
+    """Tasks by name; each has its own data, rewards, batch share and β."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Sampling and lengths."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """GRPO math."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """Supervised warm-up."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Greedy quick-eval."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Console output."""
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    """Run directory and saved models."""
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts sampled per optimizer step (validated to be a whole number)."""
+        completions = self.train.micro_batch_size * self.train.gradient_accumulation_steps
+        return completions // self.rollout.num_generations
+
+
+_SPLITS = {"balanced": 0.5, "prompt_heavy": 0.75, "completion_heavy": 0.25}
+
+
+def derive_lengths(rollout: RolloutConfig) -> tuple[int, int]:
+    """(max_prompt_length, max_completion_length) after the length allocation strategy."""
+    total = rollout.max_seq_length
+    if rollout.length_allocation == "explicit":
+        prompt, completion = rollout.max_prompt_length, rollout.max_completion_length
+        if prompt is None and completion is None:
+            prompt = round(total * _SPLITS["balanced"])
+            completion = total - prompt
+        elif prompt is None:
+            prompt = total - completion
+        elif completion is None:
+            completion = total - prompt
+        return prompt, completion
+    prompt = round(total * _SPLITS[rollout.length_allocation])
+    return prompt, total - prompt
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class Sourced:
+    """A merged raw config dict plus, per dotted key, where its value came from."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}
+
+    def merge(self, values: Mapping[str, Any], origin: str, prefix: str = "") -> None:
+        self._merge_into(self.data, values, origin, prefix)
+
+    def _merge_into(self, target: dict, values: Mapping, origin: str, prefix: str) -> None:
+        for key, value in values.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+                self._merge_into(target[key], value, origin, path + ".")
+            else:
+                target[key] = _copy(value)
+                self._record(path, value, origin)
+
+    def _record(self, path: str, value: Any, origin: str) -> None:
+        if isinstance(value, Mapping) and value:
+            for key, sub in value.items():
+                self._record(f"{path}.{key}", sub, origin)
+        else:
+            self.origin[path] = origin
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    keys = dotted.split(".")
+    out: dict[str, Any] = {keys[-1]: value}
+    for key in reversed(keys[:-1]):
+        out = {key: out}
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """Parse a command-line or environment value the way YAML would (`0.7`, `true`, `[1, 2]`)."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """Split one `--set section.key=value` argument."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(
+            f"--set {item!r}: expected `section.key=value`, e.g. --set rollout.temperature=0.7"
+        )
+    return key.strip(), parse_value(value)
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
+    """`MOGRPO_ROLLOUT__TEMPERATURE=0.7` → {"rollout.temperature": ("MOGRPO_…", 0.7)}."""
+    found = {}
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+        # Only names that address a config field; MOGRPO_JUDGE_KEY and the like are left alone.
+        if dotted.split(".", 1)[0] in RunConfig.model_fields:
+            found[dotted] = (name, parse_value(value))
+    return found
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML config")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
+    base: Mapping[str, Any] | None = None,
+) -> tuple[RunConfig, dict[str, str]]:
+    """Resolve defaults < `base` < file < environment < `--set` into a validated RunConfig.
+
+    Returns the config and the origin of every value that did not come from the defaults.
+    """
+    sourced = Sourced()
+    if base:
+        sourced.merge(base, "built-in")
+    if path is not None:
+        sourced.merge(read_yaml(path), f"file {path}")
+    for dotted, (name, value) in env_overrides(os.environ if environ is None else environ).items():
+        sourced.merge(_nested(dotted, value), f"env {name}")
+    for item in overrides:
+        dotted, value = parse_set(item)
+        sourced.merge(_nested(dotted, value), f"--set {dotted}")
+    check_unknown_keys(sourced.data, RunConfig, sourced.origin)
+    try:
+        config = RunConfig.model_validate(sourced.data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(err, sourced.origin)) from None
+    validate(config)
+    return config, sourced.origin
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_unknown_keys(data: Any, model: type[BaseModel], origin: dict[str, str], prefix: str = "") -> None:
+    """Reject keys the schema does not know, with a "did you mean" hint and their source."""
+    if not isinstance(data, Mapping):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            where = _origin_of(path, origin)
+            fix = f"did you mean `{prefix}{hint[0]}`?" if hint else (
+                f"known keys here: {', '.join(fields)}"
+            )
+            raise ConfigError(f"unknown config key `{path}`{where}; {fix}")
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            check_unknown_keys(value, annotation, origin, path + ".")
+        elif model is RunConfig and key == "tasks" and isinstance(value, Mapping):
+            for name, task in value.items():
+                check_unknown_keys(task, TaskConfig, origin, f"tasks.{name}.")
+                for i, reward in enumerate((task or {}).get("rewards") or []):
+                    check_unknown_keys(reward, RewardConfig, origin, f"tasks.{name}.rewards.{i}.")
+
+
+def _origin_of(path: str, origin: dict[str, str]) -> str:
+    source = origin.get(path) or next(
+        (v for k, v in origin.items() if k.startswith(path + ".")), None
+    )
+    return f" (from {source})" if source else ""
+
+
+def _format_validation(err: ValidationError, origin: dict[str, str]) -> str:
+    lines = ["invalid config:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  {path}{shown}{_origin_of(path, origin)}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def validate(config: RunConfig) -> None:
+    """Cross-field checks; every message names the field, the value and the fix."""
+    errors: list[str] = []
+    ro, tr = config.rollout, config.train
+    if not config.model.name_or_path:
+        errors.append("model.name_or_path is not set: give a local model directory or a hub id")
+    if not config.tasks:
+        errors.append("no tasks: add at least one under `tasks:` with `data` and `rewards`")
+    for name, task in config.tasks.items():
+        if not task.rewards:
+            errors.append(
+                f"tasks.{name}.rewards is empty: add a reward, e.g. `rewards: [mc_correct]`"
+            )
+    if ro.num_generations < 2:
+        errors.append(
+            f"rollout.num_generations = {ro.num_generations}: GRPO needs at least 2 completions "
+            "per prompt to compare them; set it to 2 or more (4–8 is typical)"
+        )
+    completions = tr.micro_batch_size * tr.gradient_accumulation_steps
+    if ro.num_generations >= 2 and completions % ro.num_generations:
+        errors.append(
+            f"train.micro_batch_size × train.gradient_accumulation_steps = {completions} "
+            f"completions per step is not a multiple of rollout.num_generations = "
+            f"{ro.num_generations}: each prompt's {ro.num_generations} completions must all "
+            f"be in the step; use e.g. micro_batch_size = {ro.num_generations * max(1, tr.micro_batch_size // ro.num_generations)}"
+        )
+    if ro.length_allocation != "explicit" and (
+        ro.max_prompt_length is not None or ro.max_completion_length is not None
+    ):
+        errors.append(
+            f"rollout.length_allocation = {ro.length_allocation} derives both lengths from "
+            "rollout.max_seq_length; remove max_prompt_length/max_completion_length or set "
+            "length_allocation: explicit"
+        )
+    else:
+        prompt, completion = derive_lengths(ro)
+        if prompt < 1 or completion < 1 or prompt + completion > ro.max_seq_length:
+            errors.append(
+                f"rollout.max_prompt_length ({prompt}) + rollout.max_completion_length "
+                f"({completion}) = {prompt + completion} exceeds rollout.max_seq_length "
+                f"({ro.max_seq_length}); shorten one of them or raise max_seq_length"
+            )
+    if config.algorithm.kl_importance_weight and config.algorithm.num_iterations == 1:
+        errors.append(
+            "algorithm.kl_importance_weight = true has no effect with algorithm.num_iterations = 1"
+            " (the ratio is 1); set num_iterations ≥ 2 or turn it off"
+        )
+    if config.eval.reward is not None:
+        for name, task in config.tasks.items():
+            labels = [r.label for r in task.rewards]
+            if config.eval.reward not in labels:
+                errors.append(
+                    f"eval.reward = {config.eval.reward!r} is not a reward of task {name!r} "
+                    f"(it has {', '.join(labels)})"
+                )
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def describe(config: RunConfig, origin: dict[str, str]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, source) for every leaf of the resolved config."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict) and value and path != "" and not path.endswith("kwargs"):
+            for key, sub in value.items():
+                walk(sub, f"{path}.{key}" if path else key)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, sub in enumerate(value):
+                walk(sub, f"{path}.{i}")
+        else:
+            rows.append((path, value, _source(path, origin)))
+
+    dumped = config.model_dump(mode="json")
+    for key, value in dumped.items():
+        if isinstance(value, dict) and value:
+            walk(value, key)
+        else:
+            rows.append((key, value, _source(key, origin)))
+    rows.extend(_derived(config))
+    return rows
+
+
+def _source(path: str, origin: dict[str, str]) -> str:
+    """Where a value came from: its own entry, or the nearest ancestor's (lists, shorthands)."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        found = origin.get(".".join(parts[:end]))
+        if found:
+            return found
+    return "default"
+
+
+def _derived(config: RunConfig) -> list[tuple[str, Any, str]]:
+    prompt, completion = derive_lengths(config.rollout)
+    return [
+        ("rollout.max_prompt_length (resolved)", prompt, f"derived: {config.rollout.length_allocation}"),
+        ("rollout.max_completion_length (resolved)", completion, f"derived: {config.rollout.length_allocation}"),
+        ("prompts per step", config.prompts_per_step, "derived: micro_batch × accumulation / K"),
+    ]
+
+
+def to_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def field_reference() -> str:
+    """Markdown reference of every config field: key, type, default, meaning."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            annotation = info.annotation
+            key = f"{prefix}{name}"
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, key + ".")
+                continue
+            if model is RunConfig and name == "tasks":
+                walk(TaskConfig, "tasks.NAME.")
+                continue
+            if model is TaskConfig and name == "rewards":
+                walk(RewardConfig, "tasks.NAME.rewards[].")
+                continue
+            default = "required" if info.is_required() else (
+                "{}" if info.default_factory is dict else
+                "[]" if info.default_factory is list else repr(info.default)
+            )
+            if get_origin(annotation) is Literal:
+                kind = " / ".join(map(str, get_args(annotation)))
+            else:
+                kind = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+            cells = [f"`{key}`", kind, default, (info.description or "").replace("\n", " ")]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+
+    walk(RunConfig, "")
+    return "\n".join(lines)
