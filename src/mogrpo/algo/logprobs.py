@@ -1,0 +1,136 @@
+"""Per-token log-probabilities and entropies of completions under a causal LM.
+
+Logits are divided by the *sampling* temperature before the softmax, so the trainer scores
+the same distribution that produced the samples (DeepSeekMath GRPO, arXiv 2402.03300,
+computes ratios against the sampling policy).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from mogrpo.errors import ConfigError
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    """float32, or float64 when the logits already are (never downcast)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _scaled_rows(logits: Tensor, temperature: float) -> Iterator[Tensor]:
+    """Each batch row of ``logits / temperature``, upcast to at least float32, lazily.
+
+    Working row by row keeps the float32 temporary at [T, V] instead of [B, T, V], which is
+    what matters for bf16 models with 150k-token vocabularies.
+    """
+    if not temperature > 0:
+        raise ConfigError(f"sampling temperature must be > 0, got {temperature!r}")
+    dtype = _compute_dtype(logits)
+    return (row.to(dtype) / temperature if temperature != 1.0 else row.to(dtype) for row in logits)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability of each target token under ``softmax(logits / temperature)``.
+
+    logits [B, T, V], targets [B, T] int -> [B, T] float32 (float64 for float64 logits).
+    Computed as ``gather(z) - logsumexp(z)``, so no full log-softmax copy is materialised.
+    """
+    if logits.shape[0] == 0:
+        return logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
+    out = []
+    for z, tgt in zip(_scaled_rows(logits, temperature), targets, strict=True):  # [T, V], [T]
+        picked = z.gather(-1, tgt.long().unsqueeze(-1)).squeeze(-1)  # [T]
+        out.append(picked - torch.logsumexp(z, dim=-1))
+    return torch.stack(out)  # [B, T]
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of ``softmax(logits / temperature)`` at every position.
+
+    logits [B, T, V] -> [B, T] float32 (float64 for float64 logits), using
+    H = logsumexp(z) - sum_v p_v z_v.
+    """
+    if logits.shape[0] == 0:
+        return logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
+    out = []
+    for z in _scaled_rows(logits, temperature):  # [T, V]
+        p = torch.softmax(z, dim=-1)
+        # p == 0 where z == -inf (masked vocabulary entries): 0 * -inf would give NaN.
+        out.append(torch.logsumexp(z, dim=-1) - (p * torch.where(p > 0, z, 0.0)).sum(-1))
+    return torch.stack(out)  # [B, T]
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the underlying HF causal LM's forward takes ``logits_to_keep``.
+
+    Wrappers (DDP ``.module``, torch.compile ``._orig_mod``, PEFT ``get_base_model()``)
+    forward keyword arguments untouched, so the wrapped model decides.
+    """
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            return True
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return False
+    return False
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and optionally entropies) of the completion tokens given their prompts.
+
+    prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C]
+    right-padded. Position ids are ``cumsum(attention_mask) - 1`` -- the positions HF
+    ``generate`` gave the tokens -- so padding does not shift rotary/learned positions.
+
+    Returns ``(logp, entropy)``, both [B, C] float32; ``entropy`` is None unless
+    ``with_entropy``. Positions where ``completion_mask == 0`` are set to 0. ``logp`` carries
+    gradients; ``entropy`` is computed without them (it is a monitoring signal, as in TRL,
+    and keeping its [C, V] softmax for backward would double activation memory; call
+    :func:`token_entropy` directly for an entropy bonus).
+    """
+    C = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
+    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+C]
+
+    kwargs = {}
+    if _accepts_logits_to_keep(model):
+        # Only positions P-1 .. P+C-1 are projected onto the vocabulary.
+        kwargs["logits_to_keep"] = C + 1
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **kwargs,
+    ).logits
+    # The logit at position t predicts token t+1: keep P-1 .. P+C-2 for completion tokens.
+    logits = logits[:, -(C + 1) : -1, :]  # [B, C, V]
+
+    keep = completion_mask.bool()  # [B, C]
+    logp = token_logprobs(logits, completion_ids, temperature).masked_fill(~keep, 0.0)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = token_entropy(logits, temperature).masked_fill(~keep, 0.0)
+    return logp, entropy
