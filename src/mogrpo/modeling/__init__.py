@@ -1,0 +1,31 @@
+"""Policy, tokenizer and KL reference loading; tiny models built from scratch for demos and tests."""
+
+from mogrpo.modeling.chat import has_chat_template, render_prompt
+from mogrpo.modeling.load import (
+    LoraSettings,
+    apply_lora,
+    enable_checkpointing,
+    load_policy,
+    load_tokenizer,
+    resolve_dtype,
+    save_model,
+    trainable_parameters,
+)
+from mogrpo.modeling.reference import Reference, make_reference
+from mogrpo.modeling.tiny import build_tiny_model
+
+__all__ = [
+    "LoraSettings",
+    "Reference",
+    "apply_lora",
+    "build_tiny_model",
+    "enable_checkpointing",
+    "has_chat_template",
+    "load_policy",
+    "load_tokenizer",
+    "make_reference",
+    "render_prompt",
+    "resolve_dtype",
+    "save_model",
+    "trainable_parameters",
+]

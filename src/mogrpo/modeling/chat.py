@@ -1,0 +1,72 @@
+"""Turn a prompt (plain text or chat messages) into the text the policy is asked to continue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from mogrpo.errors import ModelError
+
+ROLES = ("system", "user", "assistant")
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """True when the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _check_messages(messages: list[Any]) -> list[dict[str, str]]:
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ModelError(
+                f"chat message {i} is {message!r}; each message must be a dict with 'role' and 'content'"
+            )
+        if message["role"] not in ROLES:
+            raise ModelError(
+                f"chat message {i} has role {message['role']!r}; use one of {list(ROLES)}"
+            )
+    return messages
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, str]],
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool | None = None,
+) -> tuple[str, bool]:
+    """Render `prompt` to text; returns (text, add_special_tokens to use when tokenizing it).
+
+    `use_chat_template=None` uses the tokenizer's template when it has one. A rendered template
+    already holds its special tokens (BOS, role headers), so it is tokenized with
+    `add_special_tokens=False` to avoid a doubled BOS. `system_prompt` is added as a system
+    message unless the messages already start with one; without a template it is prepended to the
+    text, separated by a blank line.
+    """
+    template = has_chat_template(tokenizer)
+    use = template if use_chat_template is None else use_chat_template
+    if use and not template:
+        raise ModelError(
+            f"use_chat_template is on but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no "
+            "chat template; set model.chat_template (a Jinja string or file) or set "
+            "model.use_chat_template: false to send prompts as plain text"
+        )
+
+    if isinstance(prompt, str):
+        if not use:
+            text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+            return text, True
+        messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
+    else:
+        if not use:
+            raise ModelError(
+                "the prompt is a list of chat messages but no chat template is in use "
+                f"(tokenizer {getattr(tokenizer, 'name_or_path', '')!r}); set model.chat_template "
+                "(or model.use_chat_template: true if the tokenizer has one) or give plain-text prompts"
+            )
+        messages = list(_check_messages(prompt))
+    if system_prompt and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(text), False

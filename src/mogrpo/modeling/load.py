@@ -1,0 +1,308 @@
+"""Load the policy and tokenizer (LoRA, 4-bit, checkpointing, attention), count and save them."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from mogrpo.errors import ConfigError, ModelError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# A hub id is "name" or "owner/name"; anything else that does not exist locally is a bad path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+@dataclass
+class LoraSettings:
+    """Low-rank adapters (peft LoRA) on top of frozen base weights."""
+
+    r: int = 8
+    """Adapter rank."""
+    alpha: int = 16
+    """Scaling numerator: the update is (alpha / r) * B @ A."""
+    dropout: float = 0.05
+    """Dropout on the adapter input during training."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """Map a dtype name to torch: auto = float32 on CPU, else bfloat16 if the GPU has it, else float16."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype = {dtype!r} is not one of {list(DTYPES)}")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if not torch.cuda.is_available():
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _check_source(name_or_path: str, what: str) -> None:
+    """Fail early on a path that is neither a local directory nor shaped like a hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(
+                f"{what} {name_or_path!r} is a file; pass the directory that holds config.json"
+            )
+        return
+    if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "~")):
+        raise ModelError(
+            f"{what} {name_or_path!r} does not exist and is not a Hugging Face hub id; "
+            "pass an existing local directory or an id like 'Qwen/Qwen2.5-0.5B-Instruct'"
+        )
+
+
+def _unreachable(name_or_path: str, what: str, err: Exception) -> ModelError:
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if Path(name_or_path).expanduser().is_dir():
+        return ModelError(
+            f"cannot load {what} from directory {name_or_path!r}: {reason}. It must hold the files "
+            "written by save_pretrained (config.json, weights, tokenizer files)"
+        )
+    return ModelError(
+        f"cannot load {what} {name_or_path!r}: this machine could not fetch it from the Hugging Face "
+        f"hub (offline, gated or misspelled id; {reason}). Download it once with "
+        "`huggingface-cli download` and pass the local directory, or set HF_HUB_OFFLINE=1 to use "
+        "the local cache"
+    )
+
+
+def _check_accelerators(load_in_4bit: bool, attn_implementation: str | None) -> None:
+    if load_in_4bit and (
+        not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None
+    ):
+        raise ModelError(
+            "model.load_in_4bit is set but 4-bit loading needs a CUDA GPU and `pip install mogrpo[gpu]` "
+            "(bitsandbytes); on this machine set model.load_in_4bit: false"
+        )
+    package = _FLASH_PACKAGES.get(attn_implementation or "")
+    if package and (not torch.cuda.is_available() or importlib.util.find_spec(package) is None):
+        raise ModelError(
+            f"model.attn_implementation = {attn_implementation!r} needs a CUDA GPU and the `{package}` "
+            "package; install it or use attn_implementation 'sdpa' (the default) or 'eager'"
+        )
+
+
+def load_tokenizer(
+    name_or_path: str, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with left padding and a pad token (EOS when it has none)."""
+    _check_source(name_or_path, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise _unreachable(name_or_path, "tokenizer", err) from err
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(
+                f"tokenizer {name_or_path!r} has neither a pad nor an EOS token; add one "
+                "(tokenizer.add_special_tokens) and save it, then point model.tokenizer at it"
+            )
+        logger.info(
+            "tokenizer %s has no pad token; padding with EOS %r", name_or_path, tokenizer.eos_token
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    # Decoder-only generation continues from the last position, so prompts pad on the left.
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Activation (gradient) checkpointing with the non-reentrant implementation."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def load_policy(
+    name_or_path: str,
+    *,
+    dtype: str = "auto",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    lora: LoraSettings | None = None,
+    load_in_4bit: bool = False,
+    tokenizer_name_or_path: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM (optionally 4-bit, with LoRA) and its tokenizer from a directory or hub id."""
+    torch_dtype = resolve_dtype(dtype)
+    _check_accelerators(load_in_4bit, attn_implementation)
+    _check_source(name_or_path, "model")
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:  # ValueError: a directory without a usable config.json
+        raise _unreachable(name_or_path, "model", err) from err
+    remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if getattr(config, "is_encoder_decoder", False) or not (
+        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or remote_causal
+    ):
+        raise ModelError(
+            f"model {name_or_path!r} (model_type {config.model_type!r}) is not a causal language model; "
+            "mogrpo trains decoder-only models such as Llama, Qwen2, Mistral or Gemma"
+        )
+    tokenizer = load_tokenizer(
+        tokenizer_name_or_path or name_or_path, trust_remote_code=trust_remote_code
+    )
+
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        raise _unreachable(name_or_path, "model", err) from err
+    except (ValueError, ImportError) as err:
+        raise ModelError(f"cannot load model {name_or_path!r}: {err}") from err
+
+    if load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        # Casts norms to float32 and wires input grads so LoRA trains stably on a frozen 4-bit base.
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif gradient_checkpointing:
+        enable_checkpointing(model)
+    if lora is not None:
+        model = apply_lora(model, lora, input_grads=gradient_checkpointing)
+    trainable, total = trainable_parameters(model)
+    logger.info(
+        "loaded %s (%s, %s): %d of %d parameters trainable",
+        name_or_path,
+        torch_dtype,
+        "LoRA" if lora else "full",
+        trainable,
+        total,
+    )
+    return model, tokenizer
+
+
+def apply_lora(
+    model: PreTrainedModel, settings: LoraSettings, *, input_grads: bool = False
+) -> PreTrainedModel:
+    """Wrap `model` with fresh LoRA adapters (B = 0, so the output is unchanged at first)."""
+    from peft import LoraConfig, get_peft_model
+
+    if settings.r < 1 or settings.alpha <= 0 or not 0 <= settings.dropout < 1:
+        raise ConfigError(
+            f"lora r={settings.r}, alpha={settings.alpha}, dropout={settings.dropout}: need r >= 1, "
+            "alpha > 0 and 0 <= dropout < 1"
+        )
+    if input_grads:
+        # Checkpointed blocks of a frozen base only pass gradients to the adapters if the
+        # embedding output requires grad.
+        model.enable_input_require_grads()
+    config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        bias="none",
+    )
+    with warnings.catch_warnings():
+        # peft probes the deprecated `is_gradient_checkpointing` alias of transformers 5.
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
+        try:
+            return get_peft_model(model, config)
+        except ValueError as err:
+            raise ConfigError(f"lora.target_modules = {settings.target_modules!r}: {err}") from err
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights counted as their unpacked size."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = param.numel()
+        if param.__class__.__name__ == "Params4bit":  # bitsandbytes packs two 4-bit values per byte
+            n *= 2
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def save_model(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    *,
+    merged: bool = True,
+) -> dict[str, Path]:
+    """Save for reuse with plain transformers/peft; returns {"adapter", "merged"} or {"model"} paths.
+
+    A LoRA policy saves its adapter and, with `merged`, a full model with the adapter merged in,
+    built on a copy so the training model keeps its adapters (this briefly needs a second copy of
+    the weights in memory; pass merged=False when that does not fit).
+    """
+    out = Path(out_dir)
+    paths: dict[str, Path] = {}
+    if not _is_peft(model):
+        paths["model"] = out / "model"
+        model.save_pretrained(paths["model"])
+        tokenizer.save_pretrained(paths["model"])
+        return paths
+
+    paths["adapter"] = out / "adapter"
+    model.save_pretrained(paths["adapter"])
+    tokenizer.save_pretrained(paths["adapter"])
+    if not merged:
+        return paths
+    base = model.get_base_model()
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_quantized", False):
+        logger.warning(
+            "not saving a merged model: merging into quantized weights loses precision. Load the base "
+            "in bfloat16, attach %s with peft.PeftModel.from_pretrained and call merge_and_unload()",
+            paths["adapter"],
+        )
+        return paths
+    merged_model = copy.deepcopy(model).merge_and_unload()
+    paths["merged"] = out / "merged"
+    merged_model.save_pretrained(paths["merged"])
+    tokenizer.save_pretrained(paths["merged"])
+    del merged_model
+    return paths

@@ -1,0 +1,80 @@
+"""The KL reference policy: the base weights the policy is kept close to.
+
+Under LoRA the reference is the policy itself with its adapters switched off, so no second copy
+of the weights is held; for full fine-tuning it is a frozen deep copy taken at the start.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP / FSDP-style wrappers keep the real model in `.module`; the reference needs no syncing.
+    while isinstance(model, nn.parallel.DistributedDataParallel) or (
+        type(model).__name__ == "FullyShardedDataParallel" and hasattr(model, "module")
+    ):
+        model = model.module
+    return model
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+class Reference:
+    """Something to run a reference forward on: `with ref.model() as m: logits = m(**batch).logits`."""
+
+    def __init__(self, module: nn.Module, kind: str) -> None:
+        if kind not in ("adapter_disabled", "frozen_copy"):
+            raise ValueError(f"unknown reference kind {kind!r}")
+        self._module = module
+        self.kind = kind
+
+    @contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        """Yield the reference module in eval mode under `torch.no_grad()`."""
+        if self.kind == "frozen_copy":
+            with torch.no_grad():
+                yield self._module
+            return
+        # The policy may be in train mode: dropout must not make the reference stochastic, and the
+        # per-module flags are restored so the caller's training state is untouched.
+        flags = {m: m.training for m in self._module.modules()}
+        self._module.eval()
+        try:
+            with torch.no_grad(), self._module.disable_adapter():
+                yield self._module
+        finally:
+            for module, training in flags.items():
+                module.training = training
+
+
+def make_reference(policy: nn.Module, *, needed: bool) -> Reference | None:
+    """Build the KL reference for `policy`, or None when no task uses a KL term (every beta is 0)."""
+    if not needed:
+        return None
+    policy = _unwrap(policy)
+    if _is_peft(policy):
+        logger.info("KL reference: the policy with its LoRA adapters disabled")
+        return Reference(policy, "adapter_disabled")
+    frozen = copy.deepcopy(policy)
+    frozen.eval()
+    frozen.requires_grad_(False)
+    logger.info(
+        "KL reference: a frozen copy of the policy (%d parameters)",
+        sum(p.numel() for p in frozen.parameters()),
+    )
+    return Reference(frozen, "frozen_copy")

@@ -1,0 +1,143 @@
+"""Tiny causal LMs built from scratch: the demo and every test run on these, offline, in seconds.
+
+The model is untrained (random weights) but real: a Hugging Face Llama or Qwen2 with a
+byte-level BPE tokenizer, two stop ids and a chat template shaped like Llama-3's, saved so that
+`AutoModelForCausalLM` / `AutoTokenizer` load it like any hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from mogrpo.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PAD = "<|pad|>"
+EOS = "<|end_of_text|>"
+EOT = "<|eot|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+SYSTEM = "<|system|>"
+SPECIAL_TOKENS = [PAD, EOS, EOT, USER, ASSISTANT, SYSTEM]
+
+# Every turn is `<|role|>\n{content}<|eot|>\n`; the generation prompt is `<|assistant|>\n`, so a
+# chat model stops on <|eot|> (second stop id, as Llama-3's <|eot_id|>) and a base model on EOS.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('Unknown chat role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|eot|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    """Train a deterministic byte-level BPE tokenizer on `texts` and wrap it for transformers."""
+    tok = Tokenizer(models.BPE())
+    # Byte-level: every string (Chinese included) encodes without an unknown token.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        additional_special_tokens=[EOT, USER, ASSISTANT, SYSTEM],
+        padding_side="left",
+        model_max_length=max_length,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    texts: Iterable[str],
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Build, save and return the directory of a tiny random causal LM plus tokenizer.
+
+    Same `texts`, `seed` and sizes give identical weights and an identical tokenizer.json.
+    """
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"unknown tiny-model arch {arch!r}; choose one of {sorted(ARCHITECTURES)}"
+        )
+    if hidden_size % num_heads:
+        raise ConfigError(
+            f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
+            "pick sizes such that hidden_size % num_heads == 0"
+        )
+    text_list = [t for t in texts if t]
+    if not text_list:
+        raise ConfigError(
+            "build_tiny_model got no texts to train its tokenizer on; pass a few strings"
+        )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(text_list, vocab_size, max_position_embeddings)
+    pad_id, eos_id, eot_id = tokenizer.convert_tokens_to_ids([PAD, EOS, EOT])
+
+    config_cls, model_cls = ARCHITECTURES[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model: PreTrainedModel = model_cls(config).to(torch.float32)
+    # A fresh config: only stop and pad ids, no sampling defaults that generate() would merge in.
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, eot_id], pad_token_id=pad_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    logger.info(
+        "built tiny %s model (%d parameters, vocab %d) in %s",
+        arch,
+        model.num_parameters(),
+        len(tokenizer),
+        out,
+    )
+    return out

@@ -1,0 +1,364 @@
+"""Rollout with Hugging Face `generate`: K completions per prompt, with the sampling flags honoured.
+
+transformers >= 5 fills every generation field left `None` from `model.generation_config`
+(a Llama-3 checkpoint ships temperature 0.6 / top_p 0.9, Qwen2.5 a repetition penalty of 1.05).
+So the config built here sets every field that shapes the next-token distribution, including
+neutral values, leaving nothing for the checkpoint's defaults to fill in — training then scores
+exactly the distribution that was sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
+
+from mogrpo.errors import ConfigError, DataError
+from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
+
+logger = logging.getLogger(__name__)
+
+# Fields with no neutral non-None value: if the checkpoint sets one, generate() applies it.
+_UNBLOCKABLE_FIELDS = (
+    "top_h",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "sequence_bias",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+    "watermarking_config",
+    "guidance_scale",
+)
+_warned: set[str] = set()  # inherited-field warnings already logged (once per process)
+
+
+@dataclass
+class SamplingSettings:
+    """How completions are sampled during rollout."""
+
+    max_new_tokens: int = 64
+    """Upper bound on completion length; a completion reaching it without a stop is truncated."""
+    temperature: float = 1.0
+    """Softmax temperature (> 0); log-probs at training time must use the same value."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 turns top-k off."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1.0 turns it off."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top probability; 0.0 turns it off."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty over generated tokens."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty over generated tokens."""
+    repetition_penalty: float = 1.0
+    """CTRL-style repetition penalty (1.0 = off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion; empty = the tokenizer's and checkpoint's EOS ids."""
+    greedy: bool = False
+    """Argmax decoding (quick-eval); sampling fields are then ignored."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+            (self.greedy or self.temperature > 0, "temperature", "must be > 0 when sampling"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 turns it off)"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ConfigError(f"sampling.{name} = {getattr(self, name)!r} {rule}")
+
+
+@dataclass
+class Rollout:
+    """K completions per prompt; row `i * K + k` is completion k of prompt i."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, C] right-padded with the pad id
+    completion_mask: torch.Tensor  # [B, C] 1 up to and including the first stop token
+    lengths: torch.Tensor  # [B] int, completion_mask.sum(-1)
+    truncated: torch.Tensor  # [B] bool, no stop token within max_new_tokens
+    texts: list[str]
+    num_generations: int
+    prompt_truncated: int = 0
+    nonfinite_logits: int = 0
+    """Logits the NonFiniteGuard had to replace (0 in a healthy run)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Number of completions (prompts x K)."""
+        return int(self.completion_ids.shape[0])
+
+
+def build_generation_config(
+    settings: SamplingSettings, *, stop_ids: list[int], pad_id: int
+) -> GenerationConfig:
+    """A complete GenerationConfig: sampling flags as given, every other logits-shaping field neutral."""
+    common: dict[str, Any] = dict(
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=list(stop_ids),
+        pad_token_id=pad_id,
+        num_beams=1,
+        num_return_sequences=1,
+        use_cache=True,
+        # generate() must return a plain tensor of sequences whatever the checkpoint says.
+        return_dict_in_generate=False,
+        output_scores=False,
+        output_logits=False,
+        repetition_penalty=settings.repetition_penalty,
+        no_repeat_ngram_size=0,
+        # min_new_tokens overrides any min_length in the checkpoint; setting min_length too would
+        # make generate() warn that both are set.
+        min_new_tokens=0,
+        renormalize_logits=False,
+        # Neutral values the greedy validator accepts silently; leaving them None would let a
+        # checkpoint's temperature/top_p merge in and trigger "generation flags are not valid".
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+    )
+    if settings.greedy:
+        # 1.0 / 1.0 / 50 are the values the validator treats as "unset": they block the
+        # checkpoint's sampling defaults without a warning, and greedy decoding ignores them.
+        return GenerationConfig(do_sample=False, temperature=1.0, top_p=1.0, top_k=50, **common)
+    return GenerationConfig(
+        do_sample=True,
+        temperature=settings.temperature,
+        top_k=settings.top_k,  # 0 (not None), else generate() would apply top_k=50
+        top_p=settings.top_p,
+        min_p=settings.min_p,
+        **common,
+    )
+
+
+def resolve_stop_ids(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings
+) -> list[int]:
+    """Stop ids: the configured ones, else the tokenizer's EOS plus the checkpoint's EOS ids."""
+    if settings.stop_token_ids:
+        return list(dict.fromkeys(int(t) for t in settings.stop_token_ids))
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if model_eos is not None:
+        ids.extend(int(t) for t in ([model_eos] if isinstance(model_eos, int) else model_eos))
+    if not ids:
+        raise ConfigError(
+            "no stop token: sampling.stop_token_ids is empty and the tokenizer has no EOS token; "
+            "set sampling.stop_token_ids to the id(s) that end a completion"
+        )
+    return list(dict.fromkeys(ids))
+
+
+def _warn_inherited_fields(model: nn.Module, config: GenerationConfig) -> None:
+    """Log checkpoint generation fields that generate() will merge in and mogrpo cannot neutralise."""
+    model_config = getattr(model, "generation_config", None)
+    if model_config is None:
+        return
+    fields = {
+        name: getattr(model_config, name, None)
+        for name in _UNBLOCKABLE_FIELDS
+        if getattr(model_config, name, None) is not None and getattr(config, name, None) is None
+    }
+    if not config.do_sample and getattr(model_config, "min_p", None) is not None:
+        fields["min_p"] = model_config.min_p  # harmless for greedy, but transformers will warn
+    key = repr(sorted(fields.items()))
+    if fields and key not in _warned:
+        _warned.add(key)
+        logger.warning(
+            "the model's generation_config sets %s; transformers applies these on top of mogrpo's "
+            "sampling settings. Remove them from generation_config.json if unintended.",
+            fields,
+        )
+
+
+def _context_limit(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "max_position_embeddings", None)
+
+
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_texts: list[str],
+    *,
+    max_prompt_length: int,
+    add_special_tokens: bool,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-pad prompts to a common width, cutting over-long ones from the left (their end, near the
+    question, is what matters). Returns (ids [N, P], mask [N, P], number of prompts cut)."""
+    # verbose=False: over-long prompts are cut below, so the tokenizer's length warning is noise.
+    encoded = tokenizer(prompt_texts, add_special_tokens=add_special_tokens, verbose=False)[
+        "input_ids"
+    ]
+    cut = 0
+    rows: list[list[int]] = []
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise DataError(
+                f"prompt {i} is empty after tokenization: {prompt_texts[i]!r}; drop or fill it"
+            )
+        if len(ids) > max_prompt_length:
+            ids = ids[-max_prompt_length:]
+            cut += 1
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    prompt_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        prompt_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[i, width - len(ids) :] = 1
+    return prompt_ids, prompt_mask, cut
+
+
+@contextmanager
+def _eval_mode(model: nn.Module):
+    """Eval mode (dropout off) for sampling; restores each submodule's own flag afterwards."""
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags.items():
+            module.training = training
+
+
+def split_completions(
+    completion: torch.Tensor, stop_ids: list[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut raw generated tokens at the first stop token.
+
+    Returns (completion_ids with pad after the stop, completion_mask, lengths, truncated).
+    """
+    width = completion.shape[1]
+    stops = torch.tensor(stop_ids, device=completion.device)
+    is_stop = torch.isin(completion, stops)  # [B, C]
+    has_stop = is_stop.any(dim=1)  # [B]
+    first_stop = is_stop.int().argmax(dim=1)  # [B]; 0 when no stop, masked by has_stop below
+    lengths = torch.where(has_stop, first_stop + 1, torch.full_like(first_stop, width))
+    positions = torch.arange(width, device=completion.device)[None, :]
+    mask = (positions < lengths[:, None]).long()  # [B, C]
+    ids = torch.where(mask.bool(), completion, torch.full_like(completion, pad_id))
+    return ids, mask, lengths.long(), ~has_stop
+
+
+def generate_rollout(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_texts: list[str],
+    settings: SamplingSettings,
+    *,
+    num_generations: int,
+    max_prompt_length: int,
+    add_special_tokens: bool = True,
+    generator_seed: int | None = None,
+) -> Rollout:
+    """Sample `num_generations` completions for each prompt with `model.generate`.
+
+    `generator_seed` makes the sample reproducible without disturbing the global RNG stream.
+    """
+    if num_generations < 1:
+        raise ConfigError(f"num_generations = {num_generations} must be >= 1")
+    if max_prompt_length < 1:
+        raise ConfigError(f"max_prompt_length = {max_prompt_length} must be >= 1")
+    if not prompt_texts:
+        raise DataError("generate_rollout got no prompts")
+    limit = _context_limit(model)
+    if limit is not None and max_prompt_length + settings.max_new_tokens > limit:
+        raise ConfigError(
+            f"max_prompt_length ({max_prompt_length}) + max_new_tokens ({settings.max_new_tokens}) = "
+            f"{max_prompt_length + settings.max_new_tokens} exceeds the model's "
+            f"max_position_embeddings ({limit}); lower one of them so they fit"
+        )
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise ConfigError(
+            "the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token"
+        )
+    stop_ids = resolve_stop_ids(model, tokenizer, settings)
+
+    prompt_ids, prompt_mask, cut = tokenize_prompts(
+        tokenizer,
+        prompt_texts,
+        max_prompt_length=max_prompt_length,
+        add_special_tokens=add_special_tokens,
+        pad_id=pad_id,
+    )
+    if cut:
+        logger.debug(
+            "%d of %d prompts cut from the left to %d tokens",
+            cut,
+            len(prompt_texts),
+            max_prompt_length,
+        )
+    device = next(model.parameters()).device
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    width = prompt_ids.shape[1]
+
+    config = build_generation_config(settings, stop_ids=stop_ids, pad_id=pad_id)
+    _warn_inherited_fields(model, config)
+    guard = NonFiniteGuard(temperature=1.0 if settings.greedy else settings.temperature)
+    processors = LogitsProcessorList(
+        [
+            PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty, width),
+            guard,
+        ]
+    )
+    devices = [device] if device.type == "cuda" else []
+    with (
+        _eval_mode(model),
+        torch.no_grad(),
+        torch.random.fork_rng(devices=devices, enabled=generator_seed is not None),
+    ):
+        if generator_seed is not None:
+            torch.manual_seed(generator_seed)
+        sequences = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            logits_processor=processors,
+        )  # [B, P + C]
+    if guard.replaced:
+        logger.warning(
+            "replaced %d non-finite logits during rollout (%d rows reset)",
+            guard.replaced,
+            guard.rows_reset,
+        )
+
+    completion_ids, completion_mask, lengths, truncated = split_completions(
+        sequences[:, width:], stop_ids, pad_id
+    )
+    texts = [
+        tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip()
+        for row, n in zip(completion_ids, lengths, strict=True)
+    ]
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        lengths=lengths,
+        truncated=truncated,
+        texts=texts,
+        num_generations=num_generations,
+        prompt_truncated=cut,
+        nonfinite_logits=guard.replaced,
+    )
