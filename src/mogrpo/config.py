@@ -94,8 +94,8 @@ class TaskConfig(Section):
     beta: float = Field(0.04, ge=0)
     """KL coefficient toward the reference model for this task (0 = no KL term)."""
     sft_target: str | None = None
-    """SFT warm-up target template over the row's columns; default: the `completion`
-    column, or `Answer: {correct_answer}` for multiple-choice rows."""
+    """SFT warm-up target template over the row's columns; default: the first non-empty
+    text column of `completion`, `response`, `answer`, else `Answer: {correct_answer}`."""
 
     @field_validator("rewards", mode="before")
     @classmethod

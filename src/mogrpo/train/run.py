@@ -1,0 +1,172 @@
+"""A whole run: validate → read tasks → load model → SFT warm-up → eval → GRPO → eval → save."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mogrpo.config import RunConfig, to_yaml
+from mogrpo.errors import ConfigError
+from mogrpo.evaluation import eval_metrics, evaluate, format_eval
+from mogrpo.modeling.load import (
+    LoraSettings,
+    apply_lora,
+    load_policy,
+    save_model,
+    trainable_parameters,
+)
+from mogrpo.modeling.reference import make_reference
+from mogrpo.rollout.generate import SamplingSettings
+from mogrpo.train.common import MetricsWriter, TrainContext
+from mogrpo.train.grpo import GRPOTrainer
+from mogrpo.train.sft import run_sft
+from mogrpo.train.tasks import Task, load_tasks
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device = cuda but no CUDA GPU is visible; set device: auto or cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def prepare_run_dir(config: RunConfig) -> Path:
+    """Create the run directory; refuse to mix two runs' metrics unless told to overwrite."""
+    run_dir = Path(config.output.dir)
+    if (run_dir / "metrics.jsonl").exists():
+        if not config.output.overwrite:
+            raise ConfigError(
+                f"output.dir {run_dir} already holds a run (metrics.jsonl); choose another "
+                "output.dir or set output.overwrite: true to replace it"
+            )
+        for name in ("metrics.jsonl", "sft_metrics.jsonl", "eval.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "final", ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
+    return run_dir
+
+
+def stop_ids(config: RunConfig, policy: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Configured stop ids, else the model's generation EOS ids, else the tokenizer's EOS."""
+    if config.rollout.stop_token_ids:
+        return list(config.rollout.stop_token_ids)
+    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.insert(0, tokenizer.eos_token_id)
+    if not ids:
+        raise ConfigError("the tokenizer has no EOS token; set rollout.stop_token_ids")
+    return ids
+
+
+def build_context(config: RunConfig, tasks: list[Task]) -> TrainContext:
+    """Load the model and tokenizer and settle how to sample from them."""
+    device = resolve_device(config.device)
+    mc, lc = config.model, config.lora
+    policy, tokenizer = load_policy(
+        mc.name_or_path, dtype=mc.dtype, gradient_checkpointing=mc.gradient_checkpointing,
+        attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code,
+        lora=LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules) if lc.enabled else None,
+        load_in_4bit=mc.load_in_4bit, tokenizer_name_or_path=mc.tokenizer,
+    )
+    if not mc.load_in_4bit:
+        policy.to(device)
+    trainable, total = trainable_parameters(policy)
+    log.info("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
+    ids = stop_ids(config, policy, tokenizer)
+    ro = config.rollout
+    sampling = SamplingSettings(
+        max_new_tokens=ro.completion_length, temperature=ro.temperature, top_k=ro.top_k,
+        top_p=ro.top_p, min_p=ro.min_p, presence_penalty=ro.presence_penalty,
+        frequency_penalty=ro.frequency_penalty, stop_token_ids=ids,
+    )
+    return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling)
+
+
+def run_training(config: RunConfig) -> dict[str, Any]:
+    """Run everything the config asks for; returns the summary also written to summary.json."""
+    seed_everything(config.seed)
+    tasks = load_tasks(config)  # data and reward errors surface before any model loads
+    run_dir = prepare_run_dir(config)
+    ctx = build_context(config, tasks)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks]}
+    evals = MetricsWriter(run_dir / "eval.jsonl")
+
+    def do_eval(tag: str, step: int) -> dict[str, float]:
+        results = evaluate(ctx)
+        if not results:
+            return {}
+        log.info(format_eval(tag, results))
+        evals.write({"step": step, "tag": tag, **{k: vars(v) for k, v in results.items()}})
+        summary.setdefault("evals", {})[tag] = {k: v.score for k, v in results.items()}
+        return eval_metrics(results)
+
+    if config.sft.enabled:
+        with_writer(run_dir / "sft_metrics.jsonl", lambda w: summary.update(run_sft(ctx, w)))
+        if config.lora.enabled:
+            restart_adapter(ctx, run_dir / "sft" / "merged")
+    if config.eval.at_start:
+        do_eval("start", 0)
+    reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
+    trainer = GRPOTrainer(ctx, reference)
+    with_writer(run_dir / "metrics.jsonl",
+                lambda w: trainer.run(w, lambda step: do_eval(str(step), step)))
+    do_eval("end", trainer.step)
+    evals.close()
+    summary["saved"] = {k: str(v) for k, v in save_model(
+        ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged).items()}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    return summary
+
+
+def restart_adapter(ctx: TrainContext, sft_dir: Path) -> None:
+    """Make the SFT model GRPO's reference under LoRA.
+
+    "Adapters disabled" must mean the warm-up model, not the pre-SFT base, as in
+    DeepSeekMath, where the reference is the SFT model. So the warm-up adapter is merged
+    into the base, the merged model is saved (the final adapter's base), and a fresh adapter
+    (B = 0, so KL starts at exactly 0) is attached for GRPO.
+    """
+    from peft import PeftModel
+
+    policy = ctx.policy
+    if not isinstance(policy, PeftModel):
+        return
+    if getattr(policy.get_base_model(), "is_loaded_in_4bit", False):
+        log.warning("4-bit base: the SFT adapter cannot be merged losslessly, so the KL "
+                    "reference stays the pre-SFT base model")
+        return
+    lc = ctx.config.lora
+    merged = policy.merge_and_unload()
+    merged.save_pretrained(sft_dir)
+    ctx.tokenizer.save_pretrained(sft_dir)
+    fresh = apply_lora(merged, LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules),
+                       input_grads=ctx.config.model.gradient_checkpointing)
+    fresh.peft_config["default"].base_model_name_or_path = str(sft_dir)
+    ctx.policy = fresh
+    log.info("SFT adapter merged into %s; GRPO trains a fresh adapter on top", sft_dir)
+
+
+def with_writer(path: Path, body) -> None:
+    writer = MetricsWriter(path)
+    try:
+        body(writer)
+    finally:
+        writer.close()

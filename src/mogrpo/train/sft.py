@@ -1,0 +1,123 @@
+"""Supervised warm-up: teach the answer format on the tasks' targets before GRPO."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from string import Formatter
+
+import torch
+
+from mogrpo.data.schema import Example
+from mogrpo.errors import ConfigError
+from mogrpo.train.common import (
+    MetricsWriter,
+    Progress,
+    TrainContext,
+    build_optimizer,
+    build_scheduler,
+    render_prompts,
+)
+
+log = logging.getLogger(__name__)
+
+
+def sft_target(example: Example, template: str | None, task: str) -> str:
+    """The warm-up target of one example (see `tasks.<name>.sft_target`)."""
+    columns = example.columns
+    if template is not None:
+        try:
+            fields = [f for _, f, _, _ in Formatter().parse(template) if f is not None]
+        except ValueError as e:
+            raise ConfigError(
+                f"tasks.{task}.sft_target {template!r} is not a valid format string ({e}); "
+                "write literal braces as {{ and }}"
+            ) from None
+        # `{options[A]}` needs only its root column `options`.
+        missing = [f for f in fields if re.split(r"[.\[]", f, maxsplit=1)[0] not in columns]
+        if missing:
+            raise ConfigError(
+                f"tasks.{task}.sft_target uses {{{missing[0]}}} but {example.source} has no such "
+                f"column; available: {', '.join(sorted(columns))}"
+            )
+        try:
+            return template.format(**columns)
+        except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"tasks.{task}.sft_target {template!r} cannot be filled in for {example.source} "
+                f"({type(e).__name__}: {e}); use plain {{column}} placeholders"
+            ) from None
+    for key in ("completion", "response", "answer"):
+        if isinstance(columns.get(key), str) and columns[key].strip():
+            return columns[key]
+    if "correct_answer" in columns:
+        return f"Answer: {columns['correct_answer']}"
+    raise ConfigError(
+        f"tasks.{task}: SFT warm-up needs a target for {example.source}; add a `completion` "
+        "column or set tasks.<name>.sft_target (e.g. 'Answer: {correct_answer}')"
+    )
+
+
+def build_sft_examples(ctx: TrainContext) -> list[tuple[list[int], int]]:
+    """(token ids, index where the target starts) per example, tasks interleaved."""
+    cfg = ctx.config
+    tok = ctx.tokenizer
+    end = ctx.stop_token_ids[0]
+    out: list[tuple[list[int], int]] = []
+    for t, task in enumerate(ctx.tasks):
+        examples = task.train[: cfg.sft.max_examples] if cfg.sft.max_examples else task.train
+        texts, add_special = render_prompts(ctx, [(t, ex) for ex in examples])
+        for text, example in zip(texts, examples, strict=True):
+            prompt = tok(text, add_special_tokens=add_special)["input_ids"]
+            target = tok(sft_target(example, task.config.sft_target, task.name),
+                         add_special_tokens=False)["input_ids"] + [end]
+            prompt = prompt[-max(1, cfg.sft.max_length - len(target)):]
+            out.append(((prompt + target)[: cfg.sft.max_length], len(prompt)))
+    random.Random(cfg.seed).shuffle(out)
+    return out
+
+
+def _collate(items: list[tuple[list[int], int]], pad_id: int, device: torch.device):
+    width = max(len(ids) for ids, _ in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(items), width), dtype=torch.long)
+    labels = torch.full((len(items), width), -100, dtype=torch.long)
+    for i, (ids, start) in enumerate(items):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        labels[i, start: len(ids)] = torch.tensor(ids[start:])  # loss on the target only
+    return input_ids.to(device), attention.to(device), labels.to(device)
+
+
+def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
+    """`sft.steps` optimizer steps of token-mean cross-entropy on the targets."""
+    cfg = ctx.config.sft
+    data = build_sft_examples(ctx)
+    pad_id = ctx.tokenizer.pad_token_id
+    policy = ctx.policy
+    policy.train()
+    optimizer = build_optimizer(policy, cfg.learning_rate, 0.0, (0.9, 0.999))
+    scheduler = build_scheduler(optimizer, "constant", min(10, cfg.steps // 10), cfg.steps)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    position, loss_value = 0, float("nan")
+    with Progress(cfg.steps, "SFT", ctx.config.logging.progress_bar) as bar:
+        for step in range(1, cfg.steps + 1):
+            if position + cfg.batch_size > len(data):
+                random.Random(ctx.config.seed + step).shuffle(data)
+                position = 0
+            items = data[position: position + cfg.batch_size]
+            position += cfg.batch_size
+            input_ids, attention, labels = _collate(items, pad_id, ctx.device)
+            loss = policy(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, ctx.config.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            loss_value = loss.item()
+            writer.write({"sft_step": step, "sft/loss": loss_value})
+            bar.update({"loss": loss_value})
+            if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
+                log.info("SFT step %d/%d | loss %.4f", step, cfg.steps, loss_value)
+    return {"sft/final_loss": loss_value, "sft/examples": len(data)}

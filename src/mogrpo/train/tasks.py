@@ -1,0 +1,125 @@
+"""Tasks at run time: their examples and reward functions, and the mixer that fills each step.
+
+The mixer is stateful (`state_dict()` / `load_state_dict()`), so a resumed run draws exactly
+the prompts it would have drawn without the stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mogrpo.config import RunConfig, TaskConfig
+from mogrpo.data.readers import Record, read_records
+from mogrpo.data.schema import Example, parse_examples, split_examples
+from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
+from mogrpo.rewards.base import resolve_reward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Task:
+    """One task of a run: its prompts, held-out prompts, objectives and weights."""
+
+    name: str
+    config: TaskConfig
+    train: list[Example]
+    eval: list[Example]
+    reward_fns: list[tuple[str, Callable, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def reward_labels(self) -> list[str]:
+        return [label for label, _, _ in self.reward_fns]
+
+    @property
+    def reward_weights(self) -> list[float]:
+        return [r.weight for r in self.config.rewards]
+
+
+def _records(spec: str, seed: int) -> list[Record]:
+    if spec.startswith(BUILTIN_PREFIX):
+        return [Record(spec, i + 1, row) for i, row in enumerate(builtin_rows(spec, seed))]
+    return read_records(spec)
+
+
+def _examples(spec: str, task: TaskConfig, seed: int) -> list[Example]:
+    return parse_examples(
+        _records(spec, seed),
+        format=task.format,
+        prompt_template=task.prompt_template,
+        drop_incomplete=task.drop_incomplete,
+    )
+
+
+def load_tasks(config: RunConfig) -> list[Task]:
+    """Read every task's data and resolve its reward functions (no model needed)."""
+    tasks = []
+    for name, tc in config.tasks.items():
+        examples = _examples(tc.data, tc, config.seed)
+        if tc.eval_data is not None:
+            train, held_out = examples, _examples(tc.eval_data, tc, config.seed + 1)
+        elif tc.eval_size:
+            train, held_out = split_examples(examples, tc.eval_size, config.seed)
+        else:
+            train, held_out = examples, []
+        fns = [(r.label, resolve_reward(r.fn), dict(r.kwargs)) for r in tc.rewards]
+        tasks.append(Task(name, tc, train, held_out, fns))
+        log.info("task %s: %d train / %d eval prompts, rewards %s",
+                 name, len(train), len(held_out), ", ".join(label for label, _, _ in fns))
+    return tasks
+
+
+class TaskMixer:
+    """Draws each step's prompts: task slots by smooth weighted round-robin, prompts by
+    reshuffled passes over each task's data."""
+
+    def __init__(self, tasks: list[Task], seed: int) -> None:
+        self.tasks = tasks
+        self.seed = seed
+        self.credit = [0.0] * len(tasks)  # smooth WRR credit per task
+        self.epoch = [0] * len(tasks)
+        self.position = [0] * len(tasks)
+        self._orders = [self._order(i) for i in range(len(tasks))]
+
+    def _order(self, t: int) -> list[int]:
+        order = list(range(len(self.tasks[t].train)))
+        random.Random(f"{self.seed}/{self.tasks[t].name}/{self.epoch[t]}").shuffle(order)
+        return order
+
+    def _next_task(self) -> int:
+        # Smooth weighted round-robin (as in nginx): every slot adds each task's weight to its
+        # credit and picks the largest, so shares hold exactly over any window of slots.
+        weights = [t.config.weight for t in self.tasks]
+        for i, w in enumerate(weights):
+            self.credit[i] += w
+        best = max(range(len(weights)), key=lambda i: self.credit[i])
+        self.credit[best] -= sum(weights)
+        return best
+
+    def _next_example(self, t: int) -> Example:
+        if self.position[t] >= len(self._orders[t]):
+            self.epoch[t] += 1
+            self.position[t] = 0
+            self._orders[t] = self._order(t)
+        example = self.tasks[t].train[self._orders[t][self.position[t]]]
+        self.position[t] += 1
+        return example
+
+    def next_batch(self, n: int) -> list[tuple[int, Example]]:
+        """`n` (task index, example) pairs, grouped by task in task order."""
+        picks = [self._next_task() for _ in range(n)]
+        return [(t, self._next_example(t)) for t in sorted(picks)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"credit": list(self.credit), "epoch": list(self.epoch),
+                "position": list(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.credit = list(state["credit"])
+        self.epoch = list(state["epoch"])
+        self.position = list(state["position"])
+        self._orders = [self._order(i) for i in range(len(self.tasks))]

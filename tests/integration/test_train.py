@@ -1,0 +1,140 @@
+"""End to end through the CLI on a tiny model: SFT warm-up, GRPO, metrics, saved model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mogrpo.cli import main
+from mogrpo.demo import demo_base, tokenizer_corpus
+from mogrpo.modeling.tiny import build_tiny_model
+
+STEPS = 3
+USER_REWARDS = Path(__file__).with_name("user_rewards.py")
+STEP_KEYS = {
+    "step", "loss", "lr", "kl", "policy/grad_norm", "policy/clip_frac", "policy/entropy",
+    "rollout/completion_length", "rollout/truncated_frac", "time/step_s",
+    "throughput/completion_tokens_per_s",
+    "task/fairness/kl", "task/fairness/beta", "task/fairness/zero_var_frac",
+    "task/fairness/reward/mc_correct/mean", "task/fairness/reward/mc_correct/std",
+    "task/fairness/reward/format/mean", "task/fairness/reward/format/std",
+    "task/fairness/reward/length_penalty/mean", "task/fairness/reward/distinct/mean",
+    "task/hallucination/reward/maybe/missing_frac",
+    "task/hallucination/kl", "task/hallucination/beta",
+    "task/hallucination/reward/mc_correct/mean", "task/hallucination/reward/mc_correct/std",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    return build_tiny_model(out / "model", tokenizer_corpus(demo_base(), 0), seed=0,
+                            hidden_size=32, num_layers=2, num_heads=2, vocab_size=300)
+
+
+def write_config(tmp_path: Path, model: Path, lora: bool, **extra) -> Path:
+    config = demo_base()
+    config["model"]["name_or_path"] = str(model)
+    config["output"]["dir"] = str(tmp_path / "run")
+    for task in config["tasks"].values():
+        task["data"] += "?size=120"
+        task["eval_size"] = 16
+    config["lora"] = {"enabled": lora, "r": 4, "alpha": 8}
+    # A length objective varies between completions even before the model can answer, so the
+    # advantages (and hence the gradients) are non-zero from the first step.
+    config["tasks"]["fairness"]["rewards"] += [
+        {"fn": "length_penalty", "weight": 0.5, "kwargs": {"target_length": 2, "max_length": 8}},
+        {"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"},
+    ]
+    config["tasks"]["hallucination"]["rewards"].append(
+        {"fn": f"{USER_REWARDS}:unscorable_when_long", "name": "maybe"})
+    config["train"].update(max_steps=STEPS, micro_batch_size=8, gradient_accumulation_steps=2,
+                           learning_rate=1e-2, warmup_steps=0)
+    config["rollout"].update(num_generations=4)
+    config["sft"].update(steps=12, batch_size=8, learning_rate=5e-3)
+    config["eval"].update(max_samples=8)
+    config["logging"] = {"progress_bar": False}
+    for key, value in extra.items():
+        config.setdefault(key, {}).update(value)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_lora_run_trains_logs_and_saves(tmp_path, tiny_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert main(["train", str(write_config(tmp_path, tiny_model, lora=True))]) == 0
+    run = tmp_path / "run"
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        assert STEP_KEYS <= m.keys(), STEP_KEYS - m.keys()
+        assert m["task/fairness/beta"] == 0.02 and m["task/hallucination/beta"] == 0.05
+    # The LoRA policy equals its reference before the first update: KL is exactly zero.
+    assert metrics[0]["kl"] == 0.0
+    assert metrics[-1]["kl"] > 0.0
+    # Trainable parameters changed: LoRA B starts at zero and must not be zero any more.
+    adapter = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)
+    # Both saved forms load with plain transformers / peft and agree.
+    tok = AutoTokenizer.from_pretrained(run / "final" / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(run / "final" / "merged")
+    base = AutoModelForCausalLM.from_pretrained(run / "sft" / "merged")
+    peft_model = PeftModel.from_pretrained(base, run / "final" / "adapter")
+    ids = tok("Anna and Ben were at the park.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, rtol=1e-4, atol=1e-4)
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["evals"]) == {"start", "end"}
+    assert set(summary["evals"]["end"]) == {"fairness", "hallucination"}
+    assert len(read_jsonl(run / "sft_metrics.jsonl")) == 12
+    # The final adapter sits on the SFT-merged model, which GRPO used as its KL reference.
+    adapter_config = json.loads((run / "final" / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(run / "sft" / "merged")
+
+
+def test_full_finetune_changes_weights_and_reloads(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    path = write_config(tmp_path, tiny_model, lora=False, sft={"enabled": False},
+                        algorithm={"num_iterations": 2, "loss_aggregation": "token_mean"})
+    assert main(["train", str(path)]) == 0
+    before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "model").state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert metrics[0]["kl"] == 0.0  # the frozen copy equals the policy before any update
+    assert len(metrics) == STEPS
+
+
+def test_user_mistake_is_an_error_line_not_a_traceback(tmp_path, tiny_model, capsys):
+    path = write_config(tmp_path, tiny_model, lora=True)
+    data = yaml.safe_load(path.read_text())
+    data["tasks"]["fairness"]["rewards"][0]["fn"] = "mc_corect"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: unknown reward 'mc_corect'; did you mean" in "\n" + err
+    assert "mc_correct" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before the model loaded or a dir was made
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_model, capsys):
+    path = write_config(tmp_path, tiny_model, lora=True, sft={"enabled": False})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main(["train", str(path)]) == 2
+    assert "already holds a run" in capsys.readouterr().err

@@ -1,0 +1,11 @@
+"""A user's own reward module, loaded by import path in the integration tests."""
+
+
+def distinct_chars(prompts, completions, **columns):
+    """Varies between any two different completions, so every group carries a signal."""
+    return [len(set(c)) / 10 for c in completions]
+
+
+def unscorable_when_long(prompts, completions, completion_lengths, **columns):
+    """None (could not score) for long completions, as a judge that timed out would."""
+    return [None if n > 6 else 1.0 for n in completion_lengths]
