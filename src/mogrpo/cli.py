@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -124,7 +125,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     rows = describe(config, origin)
     width = max(len(key) for key, _, _ in rows)
     for key, value, source in rows:
-        print(f"{key:<{width}}  {value!s:<24}  {source}")
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        print(f"{key:<{width}}  {shown:<24}  {source}")
     return 0
 
 
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `mogrpo config fields | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

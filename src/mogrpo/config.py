@@ -90,7 +90,8 @@ class TaskConfig(Section):
     rewards: list[RewardConfig] = Field(default_factory=list)
     """Reward functions of this task; each is one objective."""
     weight: float = Field(1.0, gt=0)
-    """This task's share of the prompts in each step (relative to the other tasks)."""
+    """This task's share of the prompts (relative to the other tasks); exact over any run of
+    steps whose prompts add up to a multiple of the summed weights."""
     beta: float = Field(0.04, ge=0)
     """KL coefficient toward the reference model for this task (0 = no KL term)."""
     sft_target: str | None = None

@@ -25,7 +25,7 @@ BIAS = re.compile(
     r" Who (?P<trait>[^?]+)\?"
 )
 GROUNDED = re.compile(
-    r"(?P<name>\w+) (?P<stated>lives|works|studies) in (?P<city>\w+)\."
+    r"(?P<name>\w+) (?P<stated>lives) in (?P<city>\w+)\."
     r" Where does (?P=name) (?P<asked>live|work|study)\?"
 )
 THIRD_PERSON = {"live": "lives", "work": "works", "study": "studies"}
