@@ -60,8 +60,9 @@ class LoraConfig(Section):
 class RewardConfig(Section):
     fn: str
     """A built-in reward (`mc_correct`, `format`, `length_penalty`) or `package.module:function`."""
-    weight: float = 1.0
-    """Weight of this objective when the objectives are combined into one advantage."""
+    weight: float | dict[str, Any] = 1.0
+    """Weight of this objective in the advantage: a number, or a schedule
+    `{kind: linear, start: 0.0, end: 1.0, start_step: 0, end_step: 100}`."""
     name: str | None = None
     """Name used in metrics; defaults to the function's name."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -70,6 +71,33 @@ class RewardConfig(Section):
     @property
     def label(self) -> str:
         return self.name or self.fn.rsplit(":", 1)[-1]
+
+
+class KLControlConfig(Section):
+    kind: Literal["fixed", "band", "proportional"] = "fixed"
+    """How this task's β moves: `fixed`; `band` (KL below `low` → β × (1 − rate), above
+    `high` → β × (1 + rate)); `proportional` (Ziegler et al. 2019, toward `target`)."""
+    low: float | None = None
+    """band: lower edge of the healthy KL range (e.g. 0.02)."""
+    high: float | None = None
+    """band: upper edge of the healthy KL range (e.g. 0.06)."""
+    rate: float | None = None
+    """band: relative change of β per adjustment (default 0.15)."""
+    target: float | None = None
+    """proportional: the KL to steer toward."""
+    horizon: int | None = None
+    """proportional: samples over which β may change by ±20 % (default 10000)."""
+    beta_min: float | None = None
+    """Smallest β the controller may set (default 1e-4)."""
+    beta_max: float | None = None
+    """Largest β the controller may set (default 10)."""
+    every_steps: int = Field(1, ge=1)
+    """Adjust β every N steps, on the mean KL of those N steps."""
+
+    def options(self) -> dict[str, Any]:
+        """The controller's options that are set (the rest keep the controller's defaults)."""
+        names = ("low", "high", "rate", "target", "horizon", "beta_min", "beta_max")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 class TaskConfig(Section):
@@ -93,7 +121,10 @@ class TaskConfig(Section):
     """This task's share of the prompts (relative to the other tasks); exact over any run of
     steps whose prompts add up to a multiple of the summed weights."""
     beta: float = Field(0.04, ge=0)
-    """KL coefficient toward the reference model for this task (0 = no KL term)."""
+    """KL coefficient toward the reference model for this task (0 = no KL term); the
+    starting value when `kl.kind` adapts it."""
+    kl: KLControlConfig = Field(default_factory=KLControlConfig)
+    """How β adapts to this task's measured KL."""
     sft_target: str | None = None
     """SFT warm-up target template over the row's columns; default: the first non-empty
     text column of `completion`, `response`, `answer`, else `Answer: {correct_answer}`."""
@@ -163,6 +194,10 @@ class AlgorithmConfig(Section):
     """Weight the KL estimate by the importance ratio when μ > 1 (off-policy correction)."""
     loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length"] = "seq_mean"
     """Per-sequence mean (GRPO), per-token over the batch (DAPO), or fixed length (Dr. GRPO)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose combined rewards are all equal — they carry no signal (DAPO)."""
+    max_refill_rounds: int = Field(0, ge=0)
+    """With dynamic sampling, extra rollout rounds per step to refill the dropped groups."""
 
 
 class TrainConfig(Section):
@@ -210,6 +245,8 @@ class EvalConfig(Section):
     """Evaluate before GRPO starts (the baseline the run is compared with)."""
     reward: str | None = None
     """Reward label scored as the task's eval score; default: the task's first reward."""
+    print_samples: int = Field(0, ge=0)
+    """Print this many greedy completions per task at each eval."""
 
 
 class LoggingConfig(Section):
@@ -462,6 +499,7 @@ def validate(config: RunConfig) -> None:
             errors.append(
                 f"tasks.{name}.rewards is empty: add a reward, e.g. `rewards: [mc_correct]`"
             )
+    errors.extend(_task_control_errors(config))
     if ro.num_generations < 2:
         errors.append(
             f"rollout.num_generations = {ro.num_generations}: GRPO needs at least 2 completions "
@@ -506,6 +544,25 @@ def validate(config: RunConfig) -> None:
                 )
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _task_control_errors(config: RunConfig) -> list[str]:
+    """KL controllers and reward-weight schedules, checked by building them."""
+    from mogrpo.algo.kl_control import make_controller
+    from mogrpo.algo.schedules import from_config
+
+    errors = []
+    for name, task in config.tasks.items():
+        try:
+            make_controller(name, task.kl.kind, task.beta, **task.kl.options())
+        except ConfigError as err:
+            errors.append(str(err))
+        for i, reward in enumerate(task.rewards):
+            try:
+                from_config(reward.weight, where=f"tasks.{name}.rewards.{i}.weight")
+            except ConfigError as err:
+                errors.append(str(err))
+    return errors
 
 
 def describe(config: RunConfig, origin: dict[str, str]) -> list[tuple[str, Any, str]]:

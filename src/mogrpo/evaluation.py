@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
+from mogrpo.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import score as score_rewards
 from mogrpo.rollout.generate import generate_rollout
-from mogrpo.train.common import TrainContext, render_prompts
+from mogrpo.train.common import MetricsWriter, TrainContext, render_prompts
+from mogrpo.train.metrics import format_quick_eval
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -19,12 +25,15 @@ class TaskEval:
     mean_length: float
     num_samples: int
     reward: str
+    samples: list[tuple[str, str]] = field(default_factory=list)
+    """The first few (prompt, greedy completion) pairs, for printing."""
 
     def as_metrics(self, task: str) -> dict[str, float]:
-        return {f"eval/{task}/{k}": v for k, v in asdict(self).items() if k != "reward"}
+        return {f"eval/{task}/{k}": v for k, v in asdict(self).items()
+                if k not in ("reward", "samples")}
 
 
-def evaluate(ctx: TrainContext, batch_size: int = 32) -> dict[str, TaskEval]:
+def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0) -> dict[str, TaskEval]:
     """Greedy completions for up to `eval.max_samples` held-out prompts of every task."""
     cfg = ctx.config
     greedy = replace(ctx.sampling, greedy=True)
@@ -38,6 +47,7 @@ def evaluate(ctx: TrainContext, batch_size: int = 32) -> dict[str, TaskEval]:
         scores: list[float] = []
         lengths: list[int] = []
         truncated: list[bool] = []
+        shown: list[tuple[str, str]] = []
         for start in range(0, len(examples), batch_size):
             chunk = examples[start:start + batch_size]
             texts, add_special = render_prompts(ctx, [(t, ex) for ex in chunk])
@@ -52,23 +62,16 @@ def evaluate(ctx: TrainContext, batch_size: int = 32) -> dict[str, TaskEval]:
             scores.extend(v for v in values[:, 0].tolist() if not math.isnan(v))
             lengths.extend(rollout.lengths.tolist())
             truncated.extend(rollout.truncated.tolist())
+            shown.extend(zip(texts, rollout.texts, strict=True))
         results[task.name] = TaskEval(
             score=sum(scores) / len(scores) if scores else float("nan"),
             truncated_frac=sum(truncated) / len(truncated),
             mean_length=sum(lengths) / len(lengths),
             num_samples=len(examples),
             reward=label,
+            samples=shown[:samples],
         )
     return results
-
-
-def format_eval(tag: str, results: dict[str, TaskEval]) -> str:
-    """`[Eval@20] greedy  fairness 0.452 (trunc 0%, len 6.0)  hallucination 0.497 (…)`."""
-    parts = [
-        f"{name} {r.score:.3f} (trunc {r.truncated_frac:.0%}, len {r.mean_length:.1f})"
-        for name, r in results.items()
-    ]
-    return f"[Eval@{tag}] greedy  " + "  ".join(parts)
 
 
 def eval_metrics(results: dict[str, TaskEval]) -> dict[str, float]:
@@ -76,3 +79,41 @@ def eval_metrics(results: dict[str, TaskEval]) -> dict[str, float]:
     for name, r in results.items():
         out.update(r.as_metrics(name))
     return out
+
+
+class QuickEval:
+    """Greedy eval at the start, every `eval.every_steps` and at the end: prints the compact
+    table, writes eval.jsonl, keeps the Pareto front of evaluated steps in pareto.json."""
+
+    def __init__(self, ctx: TrainContext, run_dir: Path) -> None:
+        self.ctx = ctx
+        self.run_dir = run_dir
+        self.writer = MetricsWriter(run_dir / "eval.jsonl")
+        self.pareto = ParetoTracker([t.name for t in ctx.tasks])
+        self.scores: dict[str, dict[str, float]] = {}
+
+    def __call__(self, tag: str, step: int, step_metrics: dict[str, float] | None = None
+                 ) -> dict[str, float]:
+        results = evaluate(self.ctx, samples=self.ctx.config.eval.print_samples)
+        if not results:
+            return {}
+        step_metrics = step_metrics or {}
+        kl = {n: step_metrics.get(f"task/{n}/kl", float("nan")) for n in results}
+        beta = {t.name: step_metrics.get(f"task/{t.name}/beta", t.config.beta)
+                for t in self.ctx.tasks if t.name in results}
+        table = format_quick_eval(tag, {n: asdict(r) for n, r in results.items()}, kl, beta)
+        log.info(table)
+        for name, r in results.items():
+            for prompt, completion in r.samples:
+                log.info("  [%s] %s\n    -> %s", name, prompt.replace("\n", " ")[-120:], completion)
+        record = {n: {k: v for k, v in asdict(r).items() if k != "samples"}
+                  for n, r in results.items()}
+        self.writer.write({"step": step, "tag": tag, **record})
+        self.scores[tag] = {n: r.score for n, r in results.items()}
+        self.pareto.add(Point(f"step-{step}", step, self.scores[tag]))
+        self.pareto.save(self.run_dir / "pareto.json")
+        log.info(self.pareto.format())
+        return eval_metrics(results)
+
+    def close(self) -> None:
+        self.writer.close()

@@ -9,3 +9,8 @@ def distinct_chars(prompts, completions, **columns):
 def unscorable_when_long(prompts, completions, completion_lengths, **columns):
     """None (could not score) for long completions, as a judge that timed out would."""
     return [None if n > 6 else 1.0 for n in completion_lengths]
+
+
+def constant(prompts, completions, **columns):
+    """The same score for every completion: a group scored by it carries no signal."""
+    return [0.5] * len(completions)

@@ -195,3 +195,26 @@ def test_yaml_comments_and_shorthand(cfg_file, tmp_path):
     config, _ = load(path)
     assert config.tasks["fairness"].rewards[0].fn == "mc_correct"
     assert config.tasks["fairness"].rewards[0].label == "mc_correct"
+
+
+def test_kl_controller_options_are_validated_before_any_model_loads(cfg_file):
+    with pytest.raises(ConfigError, match=r"tasks\.fairness\.kl\.low is required for kind 'band'"):
+        load(cfg_file(), ["tasks.fairness.kl.kind=band", "tasks.fairness.kl.high=0.06"])
+    with pytest.raises(ConfigError, match=r"tasks\.fairness\.kl\.target=0\.05 does not apply to kind 'band'"):
+        load(cfg_file(), ["tasks.fairness.kl={kind: band, low: 0.02, high: 0.06, target: 0.05}"])
+    with pytest.raises(ConfigError, match=r"tasks\.fairness\.kl\.kindd.*did you mean `tasks\.fairness\.kl\.kind`"):
+        load(cfg_file(), ["tasks.fairness.kl.kindd=band"])
+    config, _ = load(cfg_file(), ["tasks.fairness.kl={kind: band, low: 0.02, high: 0.06}"])
+    assert config.tasks["fairness"].kl.options() == {"low": 0.02, "high": 0.06}
+
+
+def test_reward_weight_schedules_are_validated(cfg_file):
+    text = BASE.replace("rewards: [mc_correct]",
+                        "rewards: [{fn: mc_correct, weight: {kind: linear, start: 0, end: 1}}]")
+    with pytest.raises(ConfigError, match=r"tasks\.fairness\.rewards\.0\.weight"):
+        load(cfg_file(text))
+    text = BASE.replace(
+        "rewards: [mc_correct]",
+        "rewards: [{fn: mc_correct, weight: {kind: linear, start: 0, end: 1, end_step: 10}}]")
+    config, _ = load(cfg_file(text))
+    assert config.tasks["fairness"].rewards[0].weight["end_step"] == 10

@@ -158,7 +158,7 @@ def test_load_tasks_splits_and_resolves_rewards(tmp_path: Path):
     assert fairness.train[0].columns["correct_answer"] in "ABCD"
 
     assert fairness.reward_labels == ["mc_correct", "fmt"]
-    assert fairness.reward_weights == [2.0, 1.0]
+    assert fairness.reward_weights(0) == [2.0, 1.0]
     assert [fn for _, fn, _ in fairness.reward_fns] == [
         BUILTIN_REWARDS["mc_correct"], BUILTIN_REWARDS["format"],
     ]

@@ -1,26 +1,29 @@
 """The GRPO loop. The trainer only sequences named phases; the math lives in `mogrpo.algo`.
 
-One step: `draw_prompts` → `generate` → `score` (rewards → advantages per task) →
-`reference_logprobs` → `update` (μ passes × gradient accumulation) → metrics.
+One step: `draw_prompts` → `generate` → `score` (rewards per objective) → `keep_informative`
+(dynamic sampling, optional) → `advantages` (per task and objective) → `reference_logprobs`
+→ `update` (μ passes × gradient accumulation) → `adapt_kl` (β per task) → metrics.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mogrpo.algo.advantages import group_advantages, reward_stats
+from mogrpo.algo.advantages import group_advantages
+from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
+from mogrpo.algo.kl_control import make_controller
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.config import RunConfig
 from mogrpo.data.schema import Example
 from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import score as score_rewards
+from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.train.common import (
     MetricsWriter,
@@ -30,9 +33,19 @@ from mogrpo.train.common import (
     build_scheduler,
     render_prompts,
 )
+from mogrpo.train.metrics import format_step, reward_metrics
 from mogrpo.train.tasks import TaskMixer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardBatch:
+    """Prompts, their K completions each, and every objective's reward per completion."""
+
+    picks: list[tuple[int, Example]]  # (task index, example) per prompt
+    rollout: Rollout
+    rewards: list[torch.Tensor]  # per prompt: [K, J of its task], NaN = could not score
 
 
 @dataclass
@@ -43,19 +56,24 @@ class ScoredBatch:
     task_ids: torch.Tensor  # [B] task index of each completion
     advantages: torch.Tensor  # [B]
     beta: torch.Tensor  # [B] KL coefficient of each completion's task
-    ref_logp: torch.Tensor | None  # [B, C] or None when no task has β > 0
-    old_logp: torch.Tensor | None  # [B, C] rollout-time log-probs; None when μ = 1
-    metrics: dict[str, float]
+    ref_logp: torch.Tensor | None = None  # [B, C]; None when no task has β > 0
+    old_logp: torch.Tensor | None = None  # [B, C] rollout-time log-probs; None when μ = 1
 
 
 class GRPOTrainer:
-    """Runs GRPO steps on a loaded policy; state lives in named, checkpointable parts."""
+    """Runs GRPO steps on a loaded policy; its state lives in checkpointable parts."""
 
     def __init__(self, ctx: TrainContext, reference: Reference | None) -> None:
         self.ctx = ctx
         self.config: RunConfig = ctx.config
         self.reference = reference
         self.mixer = TaskMixer(ctx.tasks, ctx.config.seed)
+        self.kl_controllers = [
+            make_controller(t.name, t.config.kl.kind, t.config.beta, **t.config.kl.options())
+            for t in ctx.tasks
+        ]
+        self._kl_window: list[list[float]] = [[] for _ in ctx.tasks]
+        self.beta_changes: list[str] = []
         tc = self.config.train
         self.total_updates = tc.max_steps * self.config.algorithm.num_iterations
         self.optimizer = build_optimizer(ctx.policy, tc.learning_rate, tc.weight_decay, tc.adam_betas)
@@ -64,75 +82,111 @@ class GRPOTrainer:
         )
         self.step = 0
         self.skipped_updates = 0
+        self.last_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ phases
 
-    def draw_prompts(self) -> list[tuple[int, Example]]:
-        return self.mixer.next_batch(self.config.prompts_per_step)
+    def draw_prompts(self, n: int | None = None) -> list[tuple[int, Example]]:
+        return self.mixer.next_batch(n or self.config.prompts_per_step)
 
     def generate(self, picks: list[tuple[int, Example]]) -> Rollout:
-        texts, add_special = render_prompts(self.ctx, [(t, ex) for t, ex in picks])
+        texts, add_special = render_prompts(self.ctx, picks)
         return generate_rollout(
-            self.ctx.policy,
-            self.ctx.tokenizer,
-            texts,
-            self.ctx.sampling,
+            self.ctx.policy, self.ctx.tokenizer, texts, self.ctx.sampling,
             num_generations=self.config.rollout.num_generations,
             max_prompt_length=self.config.rollout.prompt_length,
             add_special_tokens=add_special,
         )
 
-    def score(self, picks: list[tuple[int, Example]], rollout: Rollout) -> ScoredBatch:
-        """Rewards per task and objective, then group-relative advantages per task."""
+    def score(self, picks: list[tuple[int, Example]], rollout: Rollout) -> RewardBatch:
+        """Every objective of every task, one call per reward function per task."""
         K = rollout.num_generations
-        algo = self.config.algorithm
-        device = rollout.completion_ids.device
-        task_ids = torch.tensor([t for t, _ in picks for _ in range(K)], device=device)
-        advantages = torch.zeros(rollout.batch_size, device=device)
-        beta = torch.zeros(rollout.batch_size, device=device)
-        metrics: dict[str, float] = {}
-        lengths = rollout.lengths.tolist()
-        truncated = rollout.truncated.tolist()
+        rewards: list[torch.Tensor] = [torch.empty(0)] * len(picks)
+        lengths, truncated = rollout.lengths.tolist(), rollout.truncated.tolist()
         for t, task in enumerate(self.ctx.tasks):
-            rows = [i for i, (pt, _) in enumerate(picks) if pt == t]
-            if not rows:
+            groups = [g for g, (pt, _) in enumerate(picks) if pt == t]
+            if not groups:
                 continue
-            idx = [i * K + k for i in rows for k in range(K)]  # completion rows of this task
-            examples = [picks[i][1] for i in rows for _ in range(K)]
+            rows = [g * K + k for g in groups for k in range(K)]
+            examples = [picks[g][1] for g in groups for _ in range(K)]
             columns = _columns(examples)
-            columns["completion_lengths"] = [lengths[j] for j in idx]
-            columns["truncated"] = [truncated[j] for j in idx]
-            rewards = score_rewards(
-                task.reward_fns, [ex.prompt for ex in examples],
-                [rollout.texts[j] for j in idx], columns,
-            )  # [n*K, J]
-            grouped = rewards.view(len(rows), K, -1)
-            adv = group_advantages(
-                grouped, task.reward_weights, combine=algo.advantage_combine,
-                scale=algo.advantage_scaling,
-            )  # [n, K]
-            index = torch.tensor(idx, device=device)
-            advantages[index] = adv.reshape(-1).to(device)
-            beta[index] = task.config.beta
-            metrics.update(_reward_metrics(task.name, task.reward_labels, task.reward_weights,
-                                           grouped, adv))
-        return ScoredBatch(rollout, task_ids, advantages, beta, None, None, metrics)
+            columns["completion_lengths"] = [lengths[r] for r in rows]
+            columns["truncated"] = [truncated[r] for r in rows]
+            values = score_rewards(task.reward_fns, [ex.prompt for ex in examples],
+                                   [rollout.texts[r] for r in rows], columns)  # [n*K, J]
+            for i, g in enumerate(groups):
+                rewards[g] = values[i * K:(i + 1) * K]
+        return RewardBatch(picks, rollout, rewards)
+
+    def keep_informative(self, batch: RewardBatch) -> tuple[RewardBatch, dict[str, float]]:
+        """DAPO dynamic sampling: drop groups without signal, refill up to the round cap."""
+        algo = self.config.algorithm
+        budget = RefillBudget(algo.max_refill_rounds)
+        budget.reset(len(batch.picks))
+        kept: list[RewardBatch] = []
+        current = batch
+        while True:
+            keep = budget.observe(self._informative(current))
+            groups = [g for g in range(len(current.picks)) if bool(keep[g])]
+            if groups:
+                kept.append(_select(current, groups))
+            if not budget.needs_refill():
+                break
+            picks = self.draw_prompts(budget.missing)
+            current = self.score(picks, self.generate(picks))
+        if not kept:  # nothing informative at all: keep the batch; its advantages are all zero
+            kept = [batch]
+        merged = RewardBatch(
+            [p for b in kept for p in b.picks],
+            concat_rollouts([b.rollout for b in kept], self.ctx.tokenizer.pad_token_id),
+            [r for b in kept for r in b.rewards],
+        )
+        return merged, budget.metrics()
+
+    def _informative(self, batch: RewardBatch) -> torch.Tensor:
+        flags = torch.zeros(len(batch.picks), dtype=torch.bool)
+        for g, (t, _) in enumerate(batch.picks):
+            weights = self.ctx.tasks[t].reward_weights(self.step)
+            flags[g] = informative_groups(batch.rewards[g][None], weights)[0]
+        return flags
+
+    def advantages(self, batch: RewardBatch) -> tuple[ScoredBatch, dict[str, float]]:
+        """Group-relative advantages per task (each task with its own objectives and weights)."""
+        algo, ro = self.config.algorithm, batch.rollout
+        K, device = ro.num_generations, ro.completion_ids.device
+        advantages = torch.zeros(ro.batch_size)
+        beta = torch.zeros(ro.batch_size)
+        task_ids = torch.tensor([t for t, _ in batch.picks for _ in range(K)])
+        metrics: dict[str, float] = {}
+        for t, task in enumerate(self.ctx.tasks):
+            groups = [g for g, (pt, _) in enumerate(batch.picks) if pt == t]
+            if not groups:
+                continue
+            grouped = torch.stack([batch.rewards[g] for g in groups])  # [n, K, J]
+            weights = task.reward_weights(self.step)
+            adv = group_advantages(grouped, weights, combine=algo.advantage_combine,
+                                   scale=algo.advantage_scaling)  # [n, K]
+            rows = torch.tensor([g * K + k for g in groups for k in range(K)])
+            advantages[rows] = adv.reshape(-1).cpu()
+            beta[rows] = self.kl_controllers[t].beta
+            metrics.update(reward_metrics(task.name, task.reward_labels, weights, grouped, adv))
+        scored = ScoredBatch(ro, task_ids.to(device), advantages.to(device), beta.to(device))
+        return scored, metrics
 
     @torch.no_grad()
     def reference_logprobs(self, batch: ScoredBatch) -> None:
         """Rollout-time log-probs (μ > 1) and reference log-probs (β > 0), micro-batched."""
         need_old = self.config.algorithm.num_iterations > 1
         need_ref = self.reference is not None and bool((batch.beta > 0).any())
-        if not (need_old or need_ref):
-            return
+        temperature = self.ctx.sampling.temperature
         old, ref = [], []
         for rows in self._micro_batches(batch.rollout.batch_size):
             args = _slice(batch.rollout, rows)
             if need_old:
-                old.append(completion_logprobs(self.ctx.policy, *args, temperature=self.ctx.sampling.temperature)[0])
+                old.append(completion_logprobs(self.ctx.policy, *args, temperature=temperature)[0])
             if need_ref:
                 with self.reference.model() as ref_model:
-                    ref.append(completion_logprobs(ref_model, *args, temperature=self.ctx.sampling.temperature)[0])
+                    ref.append(completion_logprobs(ref_model, *args, temperature=temperature)[0])
         width = batch.rollout.completion_ids.shape[1]
         batch.old_logp = _cat_padded(old, width) if need_old else None
         batch.ref_logp = _cat_padded(ref, width) if need_ref else None
@@ -168,8 +222,7 @@ class GRPOTrainer:
                     seq_kl[rows] = out.kl.float().cpu()
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
                     totals["tokens"] += out.num_tokens
-                    mask = args[3].bool()
-                    totals["entropy"] += float(entropy[mask].sum()) if entropy is not None else 0.0
+                    totals["entropy"] += float(entropy[args[3].bool()].sum())
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in policy.parameters() if p.requires_grad], self.config.train.max_grad_norm
             )
@@ -177,7 +230,7 @@ class GRPOTrainer:
                 self.optimizer.step()
             else:  # a non-finite gradient would poison AdamW's moments; skip and count it
                 self.skipped_updates += 1
-                log.warning("step %d: non-finite gradient norm, update skipped", self.step)
+                log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
             self.scheduler.step()
             totals["grad_norm"] += float(grad_norm) / algo.num_iterations
         tokens = max(totals["tokens"], 1)
@@ -189,12 +242,31 @@ class GRPOTrainer:
             "policy/skipped_updates": self.skipped_updates,
             "kl": float(seq_kl.mean()),
         }
+        task_ids = batch.task_ids.cpu()
         for t, task in enumerate(self.ctx.tasks):
-            mask = batch.task_ids.cpu() == t
+            mask = task_ids == t
             if mask.any():
                 metrics[f"task/{task.name}/kl"] = float(seq_kl[mask].mean())
-                metrics[f"task/{task.name}/beta"] = task.config.beta
+            metrics[f"task/{task.name}/beta"] = self.kl_controllers[t].beta
         return metrics
+
+    def adapt_kl(self, metrics: dict[str, float]) -> None:
+        """Feed each task's measured KL to its controller; log every change of β."""
+        for t, task in enumerate(self.ctx.tasks):
+            key = f"task/{task.name}/kl"
+            if key in metrics:
+                self._kl_window[t].append(metrics[key])
+            every = task.config.kl.every_steps
+            if self.step % every or not self._kl_window[t]:
+                continue
+            window = self._kl_window[t]
+            samples = len(window) * self.config.rollout.num_generations
+            change = self.kl_controllers[t].update(sum(window) / len(window), self.step, n=samples)
+            self._kl_window[t] = []
+            if change is not None:
+                line = change.format()
+                self.beta_changes.append(line)
+                log.info(line)
 
     # ------------------------------------------------------------------ loop
 
@@ -203,26 +275,33 @@ class GRPOTrainer:
         picks = self.draw_prompts()
         rollout = self.generate(picks)
         t1 = time.perf_counter()
-        batch = self.score(picks, rollout)
+        rewards = self.score(picks, rollout)
+        metrics: dict[str, float] = {}
+        if self.config.algorithm.dynamic_sampling:
+            rewards, sampling_metrics = self.keep_informative(rewards)
+            metrics.update(sampling_metrics)
+        batch, reward_stats = self.advantages(rewards)
         t2 = time.perf_counter()
         self.reference_logprobs(batch)
-        metrics = self.update(batch)
+        metrics.update(self.update(batch))
         t3 = time.perf_counter()
         self.step += 1
-        n_tokens = int(rollout.lengths.sum())
-        metrics.update(batch.metrics)
+        ro = batch.rollout
+        metrics.update(reward_stats)
         metrics.update({
             "step": self.step,
             "lr": self.scheduler.get_last_lr()[0],
-            "rollout/completion_length": float(rollout.lengths.float().mean()),
-            "rollout/truncated_frac": float(rollout.truncated.float().mean()),
-            "rollout/prompt_truncated": rollout.prompt_truncated,
+            "rollout/completion_length": float(ro.lengths.float().mean()),
+            "rollout/truncated_frac": float(ro.truncated.float().mean()),
+            "rollout/prompt_truncated": ro.prompt_truncated,
+            "rollout/groups": len(rewards.picks),
             "time/rollout_s": t1 - t0,
             "time/reward_s": t2 - t1,
             "time/update_s": t3 - t2,
             "time/step_s": t3 - t0,
-            "throughput/completion_tokens_per_s": n_tokens / max(t1 - t0, 1e-9),
+            "throughput/completion_tokens_per_s": int(rollout.lengths.sum()) / max(t1 - t0, 1e-9),
         })
+        self.adapt_kl(metrics)
         return metrics
 
     def run(self, writer: MetricsWriter, evaluate: Any = None) -> None:
@@ -232,16 +311,41 @@ class GRPOTrainer:
         with Progress(cfg.train.max_steps, "GRPO", cfg.logging.progress_bar, start=self.step) as bar:
             while self.step < cfg.train.max_steps:
                 metrics = self.train_step()
-                if evaluate is not None and every and self.step % every == 0 and self.step < cfg.train.max_steps:
-                    metrics.update(evaluate(self.step))
+                if evaluate is not None and every and self.step % every == 0 \
+                        and self.step < cfg.train.max_steps:
+                    metrics.update(evaluate(self.step, metrics))
                 writer.write(metrics)
+                self.last_metrics = metrics
                 bar.update(metrics, self.ctx.tasks)
                 if self.step % cfg.logging.log_every == 0:
                     log.info(format_step(metrics, [t.name for t in self.ctx.tasks], cfg.train.max_steps))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own counters and controllers (JSON-safe)."""
+        return {
+            "step": self.step,
+            "skipped_updates": self.skipped_updates,
+            "mixer": self.mixer.state_dict(),
+            "kl_controllers": [c.state_dict() for c in self.kl_controllers],
+            "kl_window": [list(w) for w in self._kl_window],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.skipped_updates = state["skipped_updates"]
+        self.mixer.load_state_dict(state["mixer"])
+        for controller, saved in zip(self.kl_controllers, state["kl_controllers"], strict=True):
+            controller.load_state_dict(saved)
+        self._kl_window = [list(w) for w in state["kl_window"]]
+
     def _micro_batches(self, batch_size: int) -> list[slice]:
         size = self.config.train.micro_batch_size
         return [slice(i, min(i + size, batch_size)) for i in range(0, batch_size, size)]
+
+
+def _select(batch: RewardBatch, groups: list[int]) -> RewardBatch:
+    return RewardBatch([batch.picks[g] for g in groups], select_groups(batch.rollout, groups),
+                       [batch.rewards[g] for g in groups])
 
 
 def _columns(examples: list[Example]) -> dict[str, list]:
@@ -263,36 +367,3 @@ def _slice(ro: Rollout, rows: slice) -> tuple[torch.Tensor, ...]:
 
 def _cat_padded(parts: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
-
-
-def _reward_metrics(name: str, labels: list[str], weights: list[float],
-                    grouped: torch.Tensor, adv: torch.Tensor) -> dict[str, float]:
-    stats = reward_stats(grouped)
-    out: dict[str, float] = {}
-    combined = 0.0
-    for j, label in enumerate(labels):
-        prefix = f"task/{name}/reward/{label}"
-        out[f"{prefix}/mean"] = stats["mean"][j]
-        out[f"{prefix}/std"] = stats["std"][j]
-        out[f"{prefix}/missing_frac"] = stats["missing_frac"][j]
-        if not math.isnan(stats["mean"][j]):
-            combined += weights[j] * stats["mean"][j]
-    out[f"task/{name}/reward/mean"] = combined
-    # A group whose advantages are all zero carries no learning signal.
-    out[f"task/{name}/zero_var_frac"] = float((adv.abs().amax(dim=1) < 1e-8).float().mean())
-    return out
-
-
-def format_step(metrics: dict[str, float], tasks: list[str], total: int) -> str:
-    """One console line per step: the figures a user watches."""
-    parts = [f"step {metrics['step']}/{total}", f"loss {metrics['loss']:+.4f}"]
-    for name in tasks:
-        if f"task/{name}/reward/mean" in metrics:
-            parts.append(
-                f"{name}: reward {metrics[f'task/{name}/reward/mean']:.3f} "
-                f"kl {metrics[f'task/{name}/kl']:.4f}"
-            )
-    parts.append(f"len {metrics['rollout/completion_length']:.1f}")
-    parts.append(f"trunc {metrics['rollout/truncated_frac']:.0%}")
-    parts.append(f"{metrics['time/step_s']:.2f}s")
-    return " | ".join(parts)

@@ -14,7 +14,7 @@ import torch
 
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError
-from mogrpo.evaluation import eval_metrics, evaluate, format_eval
+from mogrpo.evaluation import QuickEval
 from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
@@ -107,29 +107,22 @@ def run_training(config: RunConfig) -> dict[str, Any]:
     run_dir = prepare_run_dir(config)
     ctx = build_context(config, tasks)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks]}
-    evals = MetricsWriter(run_dir / "eval.jsonl")
-
-    def do_eval(tag: str, step: int) -> dict[str, float]:
-        results = evaluate(ctx)
-        if not results:
-            return {}
-        log.info(format_eval(tag, results))
-        evals.write({"step": step, "tag": tag, **{k: vars(v) for k, v in results.items()}})
-        summary.setdefault("evals", {})[tag] = {k: v.score for k, v in results.items()}
-        return eval_metrics(results)
-
+    quick_eval = QuickEval(ctx, run_dir)
     if config.sft.enabled:
         with_writer(run_dir / "sft_metrics.jsonl", lambda w: summary.update(run_sft(ctx, w)))
         if config.lora.enabled:
             restart_adapter(ctx, run_dir / "sft" / "merged")
     if config.eval.at_start:
-        do_eval("start", 0)
+        quick_eval("start", 0)
     reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
     trainer = GRPOTrainer(ctx, reference)
-    with_writer(run_dir / "metrics.jsonl",
-                lambda w: trainer.run(w, lambda step: do_eval(str(step), step)))
-    do_eval("end", trainer.step)
-    evals.close()
+    with_writer(run_dir / "metrics.jsonl", lambda w: trainer.run(
+        w, lambda step, metrics: quick_eval(str(step), step, metrics)))
+    quick_eval("end", trainer.step, trainer.last_metrics)
+    quick_eval.close()
+    summary["evals"] = quick_eval.scores
+    summary["pareto"] = quick_eval.pareto.to_json()
+    summary["beta_changes"] = trainer.beta_changes
     summary["saved"] = {k: str(v) for k, v in save_model(
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged).items()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mogrpo.algo.schedules import WeightSchedule, from_config
 from mogrpo.config import RunConfig, TaskConfig
 from mogrpo.data.readers import Record, read_records
 from mogrpo.data.schema import Example, parse_examples, split_examples
@@ -30,14 +31,15 @@ class Task:
     train: list[Example]
     eval: list[Example]
     reward_fns: list[tuple[str, Callable, dict[str, Any]]] = field(default_factory=list)
+    weight_schedules: list[WeightSchedule] = field(default_factory=list)
 
     @property
     def reward_labels(self) -> list[str]:
         return [label for label, _, _ in self.reward_fns]
 
-    @property
-    def reward_weights(self) -> list[float]:
-        return [r.weight for r in self.config.rewards]
+    def reward_weights(self, step: int) -> list[float]:
+        """Each objective's weight at `step` (constant or scheduled)."""
+        return [schedule.at(step) for schedule in self.weight_schedules]
 
 
 def _records(spec: str, seed: int) -> list[Record]:
@@ -67,7 +69,9 @@ def load_tasks(config: RunConfig) -> list[Task]:
         else:
             train, held_out = examples, []
         fns = [(r.label, resolve_reward(r.fn), dict(r.kwargs)) for r in tc.rewards]
-        tasks.append(Task(name, tc, train, held_out, fns))
+        schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
+                     for i, r in enumerate(tc.rewards)]
+        tasks.append(Task(name, tc, train, held_out, fns, schedules))
         log.info("task %s: %d train / %d eval prompts, rewards %s",
                  name, len(train), len(held_out), ", ".join(label for label, _, _ in fns))
     return tasks

@@ -1,0 +1,246 @@
+"""Per-task controllers of the KL coefficient beta.
+
+Each task keeps its own beta and its own controller, fed with the KL measured on that task's
+completions. ``update`` returns a :class:`BetaChange` only when beta actually moved, so the
+trainer logs one line per change and nothing otherwise. Controllers are plain objects with
+JSON-safe ``state_dict()`` / ``load_state_dict()``, so beta survives a resume exactly.
+
+A non-finite KL (NaN: no completions of that task this step; inf: a numerical failure,
+which the health checks report) is a missing measurement, not a signal: beta is left alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mogrpo.errors import ConfigError
+
+KL_CONTROLLERS = ("fixed", "band", "proportional")
+
+
+@dataclass
+class BetaChange:
+    """One change of a task's beta, as logged."""
+
+    task: str
+    """Task whose beta changed."""
+    step: int
+    """Trainer step of the KL measurement."""
+    kl: float
+    """The measured KL that triggered the change."""
+    old: float
+    """Beta before the change."""
+    new: float
+    """Beta after the change (already clamped to the controller's bounds)."""
+    reason: str
+    """Why it changed, e.g. ``KL 0.018 < 0.020`` or ``KL 0.030 vs target 0.050``."""
+
+    def format(self) -> str:
+        """``[KL@20] fairness KL 0.018 < 0.020: beta 0.1000 -> 0.0850``."""
+        return f"[KL@{self.step}] {self.task} {self.reason}: beta {self.old:.4f} -> {self.new:.4f}"
+
+
+def _num(x: float) -> str:
+    """3 decimals, or scientific below 1e-3 so a tiny KL never prints as a false 0.000."""
+    return f"{x:.3f}" if x == 0 or abs(x) >= 1e-3 else f"{x:.1e}"
+
+
+def _field(task: str, name: str) -> str:
+    return f"tasks.{task}.kl.{name}"
+
+
+def _check_number(task: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{_field(task, name)}={value!r} must be a finite number")
+    return float(value)
+
+
+class KLController:
+    """Base of the controllers: beta, its bounds, the log record and the (kind, beta) state."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, task: str, beta: float, beta_min: float, beta_max: float) -> None:
+        self.task = task
+        self.beta = _check_number(task, "beta", beta)
+        self.beta_min = _check_number(task, "beta_min", beta_min)
+        self.beta_max = _check_number(task, "beta_max", beta_max)
+        if not 0 <= self.beta_min <= self.beta_max:
+            raise ConfigError(
+                f"{_field(task, 'beta_min')}={beta_min!r} and {_field(task, 'beta_max')}="
+                f"{beta_max!r} are not a valid range; need 0 <= beta_min <= beta_max"
+            )
+        if not self.beta_min <= self.beta <= self.beta_max:
+            raise ConfigError(
+                f"{_field(task, 'beta')}={beta!r} is outside [beta_min, beta_max] = "
+                f"[{beta_min!r}, {beta_max!r}]; set beta inside the range or widen it "
+                "(for no KL term use kind 'fixed' with beta 0)"
+            )
+
+    def update(self, kl: float, step: int, n: int = 1) -> BetaChange | None:
+        """Feed the KL measured at ``step`` on ``n`` samples; a record only if beta moved."""
+        raise NotImplementedError
+
+    def _move(self, step: int, kl: float, target: float, reason: str) -> BetaChange | None:
+        new = min(max(target, self.beta_min), self.beta_max)
+        if new == self.beta:
+            return None  # e.g. already at a bound
+        old, self.beta = self.beta, new
+        return BetaChange(self.task, step, float(kl), old, new, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"kind": ..., "beta": ...}``; the settings come from the config, not the state."""
+        return {"kind": self.kind, "beta": self.beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise ConfigError(
+                f"{_field(self.task, 'kind')}={self.kind!r}, but the checkpoint holds the state "
+                f"of a {state.get('kind')!r} controller; set kind back to "
+                f"{state.get('kind')!r} to resume this run"
+            )
+        self.beta = float(state["beta"])
+
+
+class FixedKL(KLController):
+    """A constant beta (the GRPO default of DeepSeekMath, arXiv 2402.03300)."""
+
+    kind = "fixed"
+
+    def __init__(self, task: str, beta: float) -> None:
+        if _check_number(task, "beta", beta) < 0:
+            raise ConfigError(f"{_field(task, 'beta')}={beta!r} must be >= 0 (0 = no KL term)")
+        super().__init__(task, beta, beta_min=beta, beta_max=beta)
+
+    def update(self, kl: float, step: int, n: int = 1) -> BetaChange | None:
+        return None
+
+
+class BandKL(KLController):
+    """Keep KL inside ``[low, high]``: below ``low`` beta *= 1 - rate, above ``high``
+    beta *= 1 + rate, inside unchanged; beta is clamped to ``[beta_min, beta_max]``.
+
+    A multiplicative band rule in the spirit of the adaptive KL of Ziegler et al. 2019
+    (arXiv 1909.08593), with a dead zone so a healthy KL never moves beta.
+    """
+
+    kind = "band"
+
+    def __init__(
+        self,
+        task: str,
+        beta: float,
+        low: float,
+        high: float,
+        rate: float = 0.15,
+        beta_min: float = 1e-4,
+        beta_max: float = 10.0,
+    ) -> None:
+        super().__init__(task, beta, beta_min, beta_max)
+        self.low = _check_number(task, "low", low)
+        self.high = _check_number(task, "high", high)
+        self.rate = _check_number(task, "rate", rate)
+        if not self.low < self.high:
+            raise ConfigError(
+                f"{_field(task, 'low')}={low!r} must be below {_field(task, 'high')}={high!r}; "
+                "give the healthy KL band as low < high, e.g. low 0.02, high 0.06"
+            )
+        if not 0 < self.rate < 1:
+            raise ConfigError(
+                f"{_field(task, 'rate')}={rate!r} must be in (0, 1); it is the fraction beta "
+                "moves per step outside the band, e.g. 0.15"
+            )
+
+    def update(self, kl: float, step: int, n: int = 1) -> BetaChange | None:
+        """Move beta one notch if ``kl`` is outside the band; ``n`` is ignored."""
+        if not math.isfinite(kl):
+            return None
+        if kl < self.low:
+            reason = f"KL {_num(kl)} < {_num(self.low)}"
+            return self._move(step, kl, self.beta * (1 - self.rate), reason)
+        if kl > self.high:
+            reason = f"KL {_num(kl)} > {_num(self.high)}"
+            return self._move(step, kl, self.beta * (1 + self.rate), reason)
+        return None
+
+
+class ProportionalKL(KLController):
+    """Adaptive KL of Ziegler et al. 2019 (arXiv 1909.08593, section 2.2):
+    ``e = clip(KL / target - 1, -0.2, 0.2)``, ``beta *= 1 + e * n / horizon``, where ``n``
+    is the number of samples since the last update; beta is clamped to
+    ``[beta_min, beta_max]``.
+    """
+
+    kind = "proportional"
+
+    def __init__(
+        self,
+        task: str,
+        beta: float,
+        target: float,
+        horizon: float = 10000,
+        beta_min: float = 1e-4,
+        beta_max: float = 10.0,
+    ) -> None:
+        super().__init__(task, beta, beta_min, beta_max)
+        self.target = _check_number(task, "target", target)
+        self.horizon = _check_number(task, "horizon", horizon)
+        if self.target <= 0:
+            raise ConfigError(
+                f"{_field(task, 'target')}={target!r} must be > 0; set the KL you want "
+                "this task to hold, e.g. 0.05"
+            )
+        if self.horizon <= 0:
+            raise ConfigError(
+                f"{_field(task, 'horizon')}={horizon!r} must be > 0; it is the number of "
+                "samples over which beta reacts, e.g. 10000"
+            )
+
+    def update(self, kl: float, step: int, n: int = 1) -> BetaChange | None:
+        """One proportional step from ``kl`` measured on ``n`` samples."""
+        if n < 0:
+            raise ValueError(f"n (samples since the last update) must be >= 0, got {n}")
+        if not math.isfinite(kl):
+            return None
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        reason = f"KL {_num(kl)} vs target {_num(self.target)}"
+        return self._move(step, kl, self.beta * (1.0 + error * n / self.horizon), reason)
+
+
+_CLASSES: dict[str, type[KLController]] = {
+    "fixed": FixedKL,
+    "band": BandKL,
+    "proportional": ProportionalKL,
+}
+_REQUIRED = {"fixed": (), "band": ("low", "high"), "proportional": ("target",)}
+_OPTIONS = {
+    "fixed": (),
+    "band": ("low", "high", "rate", "beta_min", "beta_max"),
+    "proportional": ("target", "horizon", "beta_min", "beta_max"),
+}
+
+
+def make_controller(task: str, kind: str, beta: float, **options: Any) -> KLController:
+    """Build the controller ``kind`` for ``task``; every mistake is a ConfigError naming
+    ``tasks.<task>.kl.<field>``, the bad value and the fix."""
+    if kind not in _CLASSES:
+        raise ConfigError(
+            f"{_field(task, 'kind')}={kind!r} is not supported; choose one of {list(KL_CONTROLLERS)}"
+        )
+    allowed = _OPTIONS[kind]
+    for name, value in options.items():
+        if name not in allowed:
+            hint = f"its options are {list(allowed)}" if allowed else "it takes no options"
+            raise ConfigError(
+                f"{_field(task, name)}={value!r} does not apply to kind {kind!r}; remove it "
+                f"or change the kind ({hint})"
+            )
+    for name in _REQUIRED[kind]:
+        if name not in options:
+            raise ConfigError(
+                f"{_field(task, name)} is required for kind {kind!r}; "
+                + ("e.g. low: 0.02, high: 0.06" if kind == "band" else "e.g. target: 0.05")
+            )
+    return _CLASSES[kind](task, beta, **options)

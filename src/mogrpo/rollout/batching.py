@@ -1,0 +1,54 @@
+"""Select and join rollouts group by group (dynamic sampling drops and refills whole groups)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mogrpo.rollout.generate import Rollout
+
+
+def select_groups(rollout: Rollout, groups: list[int]) -> Rollout:
+    """The rollout restricted to the given prompt indices (each keeps its K completions)."""
+    K = rollout.num_generations
+    rows = [g * K + k for g in groups for k in range(K)]
+    index = torch.tensor(rows, dtype=torch.long, device=rollout.completion_ids.device)
+    return Rollout(
+        prompt_ids=rollout.prompt_ids[index],
+        prompt_mask=rollout.prompt_mask[index],
+        completion_ids=rollout.completion_ids[index],
+        completion_mask=rollout.completion_mask[index],
+        lengths=rollout.lengths[index],
+        truncated=rollout.truncated[index],
+        texts=[rollout.texts[r] for r in rows],
+        num_generations=K,
+        prompt_truncated=rollout.prompt_truncated,
+        nonfinite_logits=rollout.nonfinite_logits,
+    )
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts of the same K: prompts re-padded on the left, completions on the right."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+
+    def left(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return F.pad(t, (width - t.shape[1], 0), value=value)
+
+    def right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return F.pad(t, (0, width - t.shape[1]), value=value)
+
+    return Rollout(
+        prompt_ids=torch.cat([left(r.prompt_ids, P, pad_id) for r in parts]),
+        prompt_mask=torch.cat([left(r.prompt_mask, P, 0) for r in parts]),
+        completion_ids=torch.cat([right(r.completion_ids, C, pad_id) for r in parts]),
+        completion_mask=torch.cat([right(r.completion_mask, C, 0) for r in parts]),
+        lengths=torch.cat([r.lengths for r in parts]),
+        truncated=torch.cat([r.truncated for r in parts]),
+        texts=[t for r in parts for t in r.texts],
+        num_generations=parts[0].num_generations,
+        prompt_truncated=sum(r.prompt_truncated for r in parts),
+        nonfinite_logits=sum(r.nonfinite_logits for r in parts),
+    )
