@@ -68,6 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", type=Path, help="YAML config file")
     _add_set(train)
+    train.add_argument(
+        "--resume", metavar="auto|PATH",
+        help="continue the run in output.dir: `auto` = the newest checkpoint that verifies "
+        "(corrupt or incomplete ones are reported and skipped), or a checkpoint directory",
+    )
+    train.add_argument(
+        "--allow-config-change", action="store_true",
+        help="resume even though settings that change the training math differ from the "
+        "checkpoint's (the diff is logged and recorded in config_changes.jsonl)",
+    )
+
+    checkpoints = sub.add_parser(
+        "checkpoints", help="list a run's checkpoints with step, scores and integrity",
+        description="List the checkpoints of a run directory, newest first: step, eval "
+        "scores, and status (ok / corrupt / incomplete, with what is wrong).",
+    )
+    checkpoints.add_argument("run_dir", type=Path, help="the run's output.dir")
+
+    doctor = sub.add_parser(
+        "doctor", help="diagnose a checkpoint (or the environment: `mogrpo doctor env`)",
+        description="`mogrpo doctor CHECKPOINT [--config CONFIG]`: integrity per file, step, "
+        "config summary and hash, package versions then and now, controller states, and — "
+        "with --config — whether resuming with that config would be allowed, with the diff.",
+    )
+    doctor.add_argument("target", help="a checkpoint directory (RUN/checkpoints/step-N)")
+    doctor.add_argument("--config", type=Path, help="a config to check a resume against")
+    _add_set(doctor)
 
     demo = sub.add_parser(
         "demo", help="build a tiny model and run the built-in two-task demo",
@@ -103,7 +130,42 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config, _ = load_config(args.config, args.overrides)
     setup_logging(config.logging.level)
-    run_training(config)
+    run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from mogrpo.checkpoint import STATE, list_checkpoints
+    from mogrpo.errors import MogrpoError
+
+    found = list_checkpoints(args.run_dir)
+    if not found:
+        raise MogrpoError(f"no checkpoints in {args.run_dir / 'checkpoints'}; is this a run "
+                          "directory with output.save_every set?")
+    for status in found:
+        scores = ""
+        try:
+            state = json.loads((status.path / STATE).read_text(encoding="utf-8"))
+            last = list(state["quick_eval"]["scores"].values())[-1]
+            scores = "  ".join(f"{task} {score:.3f}" for task, score in last.items())
+        except (OSError, KeyError, IndexError, ValueError):
+            pass
+        print(f"{status.path.name}  step {status.step:>6}  {status.status:<10}  {scores}")
+        for problem in status.problems:
+            print(f"    {problem}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from mogrpo.config import load_config
+    from mogrpo.errors import MogrpoError
+    from mogrpo.resume import doctor_report
+
+    path = Path(args.target)
+    if not path.is_dir():
+        raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
+    config = load_config(args.config, args.overrides)[0] if args.config else None
+    print(doctor_report(path, config))
     return 0
 
 
@@ -140,7 +202,8 @@ def cmd_config_fields(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"train": cmd_train, "demo": cmd_demo}
+    handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
+                "doctor": cmd_doctor}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command

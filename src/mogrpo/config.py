@@ -262,7 +262,11 @@ class OutputConfig(Section):
     dir: str = "runs/mogrpo"
     """Run directory: metrics.jsonl, config.yaml and the final model go here."""
     overwrite: bool = False
-    """Allow writing into a run directory that already holds a finished run."""
+    """Allow writing into a run directory that already holds a run (it is replaced)."""
+    save_every: int = Field(0, ge=0)
+    """Save a checkpoint every N GRPO steps (0 = only at the end); resume with --resume."""
+    keep_last: int = Field(3, ge=0)
+    """Checkpoints kept besides the best per task and the Pareto set (0 = keep all)."""
     save_merged: bool = True
     """For LoRA runs, also save a merged full model next to the adapter (loads with plain
     transformers); full fine-tuning always saves the full model."""

@@ -117,3 +117,10 @@ class QuickEval:
 
     def close(self) -> None:
         self.writer.close()
+
+    def state_dict(self) -> dict:
+        return {"pareto": self.pareto.state_dict(), "scores": self.scores}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pareto.load_state_dict(state["pareto"])
+        self.scores = dict(state["scores"])

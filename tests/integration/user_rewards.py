@@ -14,3 +14,19 @@ def unscorable_when_long(prompts, completions, completion_lengths, **columns):
 def constant(prompts, completions, **columns):
     """The same score for every completion: a group scored by it carries no signal."""
     return [0.5] * len(completions)
+
+
+_calls = 0
+
+
+def kill_on_call(prompts, completions, **columns):
+    """Scores 0; on the call numbered by $KILL_ON_REWARD_CALL the process SIGKILLs itself —
+    a crash in the middle of a step, after its rollout was generated."""
+    import os
+    import signal
+
+    global _calls
+    _calls += 1
+    if os.environ.get("KILL_ON_REWARD_CALL") == str(_calls):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)

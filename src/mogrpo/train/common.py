@@ -87,6 +87,12 @@ class MetricsWriter:
     def close(self) -> None:
         self._file.close()
 
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class Progress:
     """A tqdm bar showing each task's reward; silent when off or when stderr is not a TTY."""

@@ -304,10 +304,11 @@ class GRPOTrainer:
         self.adapt_kl(metrics)
         return metrics
 
-    def run(self, writer: MetricsWriter, evaluate: Any = None) -> None:
-        """Steps until `train.max_steps`, logging each and evaluating when configured."""
+    def run(self, writer: MetricsWriter, evaluate: Any = None, checkpoint: Any = None) -> None:
+        """Steps until `train.max_steps`: each is logged, then evaluated and checkpointed
+        when due (the checkpoint comes last, so a resume repeats nothing of its step)."""
         cfg = self.config
-        every = cfg.eval.every_steps
+        every, save_every = cfg.eval.every_steps, cfg.output.save_every
         with Progress(cfg.train.max_steps, "GRPO", cfg.logging.progress_bar, start=self.step) as bar:
             while self.step < cfg.train.max_steps:
                 metrics = self.train_step()
@@ -319,6 +320,10 @@ class GRPOTrainer:
                 bar.update(metrics, self.ctx.tasks)
                 if self.step % cfg.logging.log_every == 0:
                     log.info(format_step(metrics, [t.name for t in self.ctx.tasks], cfg.train.max_steps))
+                if checkpoint is not None and (
+                    (save_every and self.step % save_every == 0) or self.step == cfg.train.max_steps
+                ):
+                    checkpoint(self.step)
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters and controllers (JSON-safe)."""

@@ -12,6 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from mogrpo.checkpoint import (
+    CHECKPOINTS,
+    Loaded,
+    find_resume,
+    load_checkpoint,
+    load_weights,
+    prune,
+    restore_rng,
+    save_checkpoint,
+)
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError
 from mogrpo.evaluation import QuickEval
@@ -23,6 +33,7 @@ from mogrpo.modeling.load import (
     trainable_parameters,
 )
 from mogrpo.modeling.reference import make_reference
+from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.train.common import MetricsWriter, TrainContext
 from mogrpo.train.grpo import GRPOTrainer
@@ -46,18 +57,28 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare_run_dir(config: RunConfig) -> Path:
+RUN_FILES = ("metrics.jsonl", "sft_metrics.jsonl", "eval.jsonl", "summary.json", "pareto.json",
+             "config_changes.jsonl")
+
+
+def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
     """Create the run directory; refuse to mix two runs' metrics unless told to overwrite."""
     run_dir = Path(config.output.dir)
+    if resuming:
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume: output.dir {run_dir} does not exist; nothing to resume")
+        return run_dir
     if (run_dir / "metrics.jsonl").exists():
         if not config.output.overwrite:
             raise ConfigError(
-                f"output.dir {run_dir} already holds a run (metrics.jsonl); choose another "
-                "output.dir or set output.overwrite: true to replace it"
+                f"output.dir {run_dir} already holds a run (metrics.jsonl); continue it with "
+                "--resume auto, choose another output.dir, or set output.overwrite: true to "
+                "replace it"
             )
-        for name in ("metrics.jsonl", "sft_metrics.jsonl", "eval.jsonl", "summary.json"):
+        for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "final", ignore_errors=True)
+        for name in ("final", "sft", CHECKPOINTS):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
     return run_dir
@@ -76,15 +97,17 @@ def stop_ids(config: RunConfig, policy: torch.nn.Module, tokenizer: Any) -> list
     return ids
 
 
-def build_context(config: RunConfig, tasks: list[Task]) -> TrainContext:
-    """Load the model and tokenizer and settle how to sample from them."""
+def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None) -> TrainContext:
+    """Load the model (from `base` instead, e.g. the SFT model on resume) and tokenizer, and
+    settle how to sample from them."""
     device = resolve_device(config.device)
     mc, lc = config.model, config.lora
     policy, tokenizer = load_policy(
-        mc.name_or_path, dtype=mc.dtype, gradient_checkpointing=mc.gradient_checkpointing,
+        str(base) if base else mc.name_or_path, dtype=mc.dtype, gradient_checkpointing=mc.gradient_checkpointing,
         attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code,
         lora=LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules) if lc.enabled else None,
-        load_in_4bit=mc.load_in_4bit, tokenizer_name_or_path=mc.tokenizer,
+        load_in_4bit=mc.load_in_4bit,
+        tokenizer_name_or_path=None if base else mc.tokenizer,
     )
     if not mc.load_in_4bit:
         policy.to(device)
@@ -100,24 +123,50 @@ def build_context(config: RunConfig, tasks: list[Task]) -> TrainContext:
     return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling)
 
 
-def run_training(config: RunConfig) -> dict[str, Any]:
-    """Run everything the config asks for; returns the summary also written to summary.json."""
+def run_training(config: RunConfig, resume: str | None = None,
+                 allow_config_change: bool = False) -> dict[str, Any]:
+    """Run everything the config asks for; returns the summary also written to summary.json.
+
+    With `resume` ("auto" or a checkpoint path) the run continues from a verified checkpoint
+    exactly where it stopped, or refuses with the reason.
+    """
     seed_everything(config.seed)
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
-    run_dir = prepare_run_dir(config)
-    ctx = build_context(config, tasks)
+    run_dir = prepare_run_dir(config, resuming=resume is not None)
+    loaded = _open_checkpoint(run_dir, config, resume, allow_config_change) if resume else None
+    sft_dir = run_dir / "sft" / "merged"
+    base = sft_dir if loaded and loaded.state["sft_done"] else None
+    ctx = build_context(config, tasks, base)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks]}
     quick_eval = QuickEval(ctx, run_dir)
-    if config.sft.enabled:
-        with_writer(run_dir / "sft_metrics.jsonl", lambda w: summary.update(run_sft(ctx, w)))
-        if config.lora.enabled:
-            restart_adapter(ctx, run_dir / "sft" / "merged")
-    if config.eval.at_start:
-        quick_eval("start", 0)
+    sft_done = bool(loaded and loaded.state["sft_done"])
+    if loaded is None:
+        if config.sft.enabled:
+            with MetricsWriter(run_dir / "sft_metrics.jsonl") as writer:
+                summary.update(run_sft(ctx, writer))
+            finish_sft(ctx, sft_dir)
+            sft_done = True
+        if config.eval.at_start:
+            quick_eval("start", 0)
     reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
     trainer = GRPOTrainer(ctx, reference)
-    with_writer(run_dir / "metrics.jsonl", lambda w: trainer.run(
-        w, lambda step, metrics: quick_eval(str(step), step, metrics)))
+    if loaded is not None:
+        _restore(loaded, ctx, trainer, quick_eval)
+        summary.update(loaded.state.get("summary", {}))
+
+    def checkpoint(step: int) -> None:
+        state = {"trainer": trainer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
+                 "quick_eval": quick_eval.state_dict(), "sft_done": sft_done,
+                 "config_hash": config_hash(config), "summary": summary}
+        path = save_checkpoint(run_dir, step, model=ctx.policy, optimizer=trainer.optimizer,
+                               state=state, config_yaml=to_yaml(config))
+        protected = {p["step"] for p in quick_eval.pareto.to_json()["front"]}
+        protected |= {p["step"] for p in quick_eval.pareto.to_json()["best"].values()}
+        prune(run_dir, config.output.keep_last, protected)
+        log.info("checkpoint saved: %s", path)
+
+    with MetricsWriter(run_dir / "metrics.jsonl") as writer:
+        trainer.run(writer, lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
     quick_eval("end", trainer.step, trainer.last_metrics)
     quick_eval.close()
     summary["evals"] = quick_eval.scores
@@ -127,6 +176,48 @@ def run_training(config: RunConfig) -> dict[str, Any]:
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged).items()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return summary
+
+
+def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str,
+                     allow_config_change: bool) -> Loaded:
+    """Pick and verify the checkpoint, check config drift, and cut the logs back to it."""
+    path = find_resume(run_dir, resume)
+    loaded = load_checkpoint(path)
+    changes = check_drift(config_diff(loaded.config_yaml, config), allow_config_change, path)
+    step = loaded.state["step"]
+    if changes:
+        for change in changes:
+            log.info("config change on resume (%s): %s",
+                     "allowed" if change.allowed else "FORCED", change)
+        with MetricsWriter(run_dir / "config_changes.jsonl") as writer:
+            writer.write({"step": step, "checkpoint": str(path),
+                          "changes": [vars(c) | {"allowed": c.allowed} for c in changes]})
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        truncate_jsonl(run_dir / name, step)
+    (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
+    log.info("resuming from %s (step %d)", path, step)
+    return loaded
+
+
+def _restore(loaded: Loaded, ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval) -> None:
+    load_weights(ctx.policy, loaded.weights)
+    trainer.optimizer.load_state_dict(loaded.optimizer)
+    trainer.scheduler.load_state_dict(loaded.state["scheduler"])
+    trainer.load_state_dict(loaded.state["trainer"])
+    quick_eval.load_state_dict(loaded.state["quick_eval"])
+    restore_rng(loaded.rng, loaded.state["rng"])  # last: nothing may draw after this
+
+
+def finish_sft(ctx: TrainContext, sft_dir: Path) -> None:
+    """Save the SFT model (GRPO's reference, and the base a resume reloads) and, under LoRA,
+    restart the adapter on top of it."""
+    from peft import PeftModel
+
+    if isinstance(ctx.policy, PeftModel):
+        restart_adapter(ctx, sft_dir)
+    else:
+        ctx.policy.save_pretrained(sft_dir)
+        ctx.tokenizer.save_pretrained(sft_dir)
 
 
 def restart_adapter(ctx: TrainContext, sft_dir: Path) -> None:
@@ -155,11 +246,3 @@ def restart_adapter(ctx: TrainContext, sft_dir: Path) -> None:
     fresh.peft_config["default"].base_model_name_or_path = str(sft_dir)
     ctx.policy = fresh
     log.info("SFT adapter merged into %s; GRPO trains a fresh adapter on top", sft_dir)
-
-
-def with_writer(path: Path, body) -> None:
-    writer = MetricsWriter(path)
-    try:
-        body(writer)
-    finally:
-        writer.close()

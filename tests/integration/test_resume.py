@@ -1,0 +1,208 @@
+"""Checkpoints and resume: exactness after SIGKILL, integrity, fallback, drift, diagnosis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mogrpo.checkpoint import find_resume, list_checkpoints, save_checkpoint, verify
+from mogrpo.cli import main
+from mogrpo.demo import demo_base, tokenizer_corpus
+from mogrpo.errors import MogrpoError
+from mogrpo.modeling.tiny import build_tiny_model
+
+USER_REWARDS = Path(__file__).with_name("user_rewards.py")
+TIMING = ("time/", "throughput/")
+SECRET = "sk-test-DO-NOT-LEAK-4f1c9a"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-resume")
+    return build_tiny_model(out / "model", tokenizer_corpus(demo_base(), 0), seed=0,
+                            hidden_size=32, num_layers=2, num_heads=2, vocab_size=300)
+
+
+def write_config(path: Path, model: Path, run_dir: Path, steps: int, **sections) -> Path:
+    config = demo_base()
+    config["model"]["name_or_path"] = str(model)
+    config["output"] = {"dir": str(run_dir), "save_every": 2, "keep_last": 0}
+    config["lora"] = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1}
+    for task in config["tasks"].values():
+        task["data"] += "?size=120"
+        task["eval_size"] = 8
+        task["rewards"].append({"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"})
+    config["tasks"]["hallucination"]["rewards"].append({"fn": f"{USER_REWARDS}:kill_on_call"})
+    config["tasks"]["fairness"]["kl"] = {"kind": "band", "low": 0.0, "high": 1e-6}
+    config["train"].update(max_steps=steps, micro_batch_size=4, gradient_accumulation_steps=2,
+                           learning_rate=5e-3, warmup_steps=1, lr_scheduler="cosine")
+    config["rollout"].update(num_generations=4)
+    config["sft"].update(steps=3, batch_size=4)
+    config["eval"].update(max_samples=4)
+    config["logging"] = {"progress_bar": False}
+    for key, value in sections.items():
+        config.setdefault(key, {}).update(value)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in lines]
+
+
+def train_in_subprocess(config: Path, **env) -> int:
+    return subprocess.run(
+        [sys.executable, "-m", "mogrpo.cli", "train", str(config)],
+        env={**os.environ, **env}, capture_output=True, timeout=300,
+    ).returncode
+
+
+def test_sigkill_mid_step_then_resume_is_bit_identical(tmp_path, tiny_model):
+    n = 2
+    whole = write_config(tmp_path / "whole.yaml", tiny_model, tmp_path / "whole", 2 * n)
+    assert main(["train", str(whole)]) == 0
+
+    cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 2 * n)
+    # One kill_on_call per step: call n+1 happens in step n+1, after its rollout.
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL=str(n + 1)) == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == list(range(1, n + 1))
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+
+    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
+    a = load_file(tmp_path / "whole" / "final" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "final" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)  # it did train
+
+
+def test_corrupt_and_truncated_checkpoints_fall_back(tmp_path, tiny_model, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 3,
+                          output={"save_every": 1}, sft={"enabled": False})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    steps = [s.step for s in list_checkpoints(run)]
+    assert steps == [3, 2, 1]
+
+    weights = run / "checkpoints" / "step-0000003" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped
+    weights.write_bytes(bytes(data))
+    status = verify(weights.parent)
+    assert status.status == "corrupt"
+    assert status.problems == ["weights.safetensors does not match its SHA-256 in the manifest (corrupted)"]
+
+    optimizer = run / "checkpoints" / "step-0000002" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-100])
+    status = verify(optimizer.parent)
+    assert status.status == "corrupt"
+    assert "optimizer.pt has" in status.problems[0] and "(truncated?)" in status.problems[0]
+
+    assert find_resume(run, "auto").name == "step-0000001"
+    capsys.readouterr()
+    assert main(["checkpoints", str(run)]) == 0
+    listing = capsys.readouterr().out
+    assert "step-0000003  step      3  corrupt" in listing
+    assert "step-0000001  step      1  ok" in listing
+
+    assert main(["train", str(config), "--resume", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step-0000003 (corrupt): weights.safetensors" in err
+    assert "skipping checkpoint step-0000002 (corrupt): optimizer.pt" in err
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]  # none missing, none twice
+
+
+def test_crash_during_save_leaves_nothing_auto_would_pick(tmp_path, tiny_model, monkeypatch):
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
+                          output={"save_every": 1}, sft={"enabled": False})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)  # dies after the weights file was written
+    with pytest.raises(OSError):
+        save_checkpoint(run, 3, model=model, optimizer=optimizer, state={}, config_yaml="")
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+    assert not (run / "checkpoints" / "step-0000003").exists()
+    assert find_resume(run, "auto").name == "step-0000002"
+
+
+def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
+                          sft={"enabled": False})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+
+    # Allowed: more steps and another log interval — listed, and the run continues.
+    assert main(["train", str(config), "--resume", "auto",
+                 "--set", "train.max_steps=3", "--set", "logging.log_every=5"]) == 0
+    err = capsys.readouterr().err
+    assert "config change on resume (allowed): train.max_steps: 2 -> 3" in err
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]
+
+    # Refused: a sampling setting changes the math; the diff names the field.
+    assert main(["train", str(config), "--resume", "auto", "--set", "train.max_steps=4",
+                 "--set", "rollout.temperature=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the config differs from the one checkpoint" in err
+    assert "rollout.temperature: 1.0 -> 0.5" in err
+    assert "--allow-config-change" in err
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]
+
+    # Forced: recorded in the run.
+    assert main(["train", str(config), "--resume", "auto", "--allow-config-change",
+                 "--set", "train.max_steps=4", "--set", "rollout.temperature=0.5"]) == 0
+    record = json.loads((run / "config_changes.jsonl").read_text().splitlines()[-1])
+    forced = [c for c in record["changes"] if not c["allowed"]]
+    assert forced == [{"key": "rollout.temperature", "old": 1.0, "new": 0.5, "allowed": False}]
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
+
+
+def test_doctor_reports_integrity_versions_and_resume_verdict(tmp_path, tiny_model, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
+                          sft={"enabled": False})
+    assert main(["train", str(config)]) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000002"
+    capsys.readouterr()
+    assert main(["doctor", str(checkpoint), "--config", str(config),
+                 "--set", "rollout.num_generations=8", "--set", "train.micro_batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "status   ok  (step 2)" in out
+    assert "weights.safetensors" in out and "  ok" in out
+    assert "KL controller fairness: {'kind': 'band', 'beta': " in out
+    assert "torch" in out and "versions (then -> now)" in out
+    assert "resume with the given config: refused" in out
+    assert "REFUSED  rollout.num_generations: 4 -> 8" in out
+    assert main(["doctor", str(tmp_path / "nope")]) == 2
+
+
+def test_api_key_in_environment_never_reaches_the_run_directory(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+    monkeypatch.setenv("MOGRPO_JUDGE_KEY", SECRET)
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2)
+    assert main(["train", str(config)]) == 0
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert len(files) > 10
+    assert not [p for p in files if SECRET.encode() in p.read_bytes()]
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2)
+    assert main(["train", str(config), "--resume", "auto"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    with pytest.raises(MogrpoError, match="found no intact checkpoint"):
+        find_resume(tmp_path / "run", "auto")
