@@ -256,6 +256,15 @@ class LoggingConfig(Section):
     """Show a progress bar (off automatically when output is not a terminal)."""
     level: Literal["debug", "info", "warning"] = "info"
     """Console log level."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    """Also send metrics to these trackers (`pip install 'mogrpo[trackers]'`); the JSONL file
+    is always written. W&B honours WANDB_MODE (e.g. offline) and WANDB_API_KEY."""
+    project: str = "mogrpo"
+    """W&B project / MLflow experiment name."""
+    run_name: str | None = None
+    """Tracker run name; default: the name of output.dir."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; default: a local file store, RUN_DIR/mlruns."""
 
 
 class OutputConfig(Section):
@@ -610,6 +619,16 @@ def _derived(config: RunConfig) -> list[tuple[str, Any, str]]:
         ("rollout.max_completion_length (resolved)", completion, f"derived: {config.rollout.length_allocation}"),
         ("prompts per step", config.prompts_per_step, "derived: micro_batch × accumulation / K"),
     ]
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} → {"a.b": 1} (empty dicts stay leaves)."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, sub in value.items():
+            out.update(flatten(sub, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
 
 
 def to_yaml(config: RunConfig) -> str:

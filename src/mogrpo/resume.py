@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from mogrpo.checkpoint import CheckpointError
-from mogrpo.config import RunConfig, to_yaml
+from mogrpo.config import RunConfig, flatten, to_yaml
 
 ALLOWED_PREFIXES = (
     "train.max_steps",
@@ -49,19 +49,10 @@ def config_hash(config: RunConfig) -> str:
     return hashlib.sha256(to_yaml(config).encode("utf-8")).hexdigest()[:16]
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
-        for key, sub in value.items():
-            out.update(_flatten(sub, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): value}
-
-
 def config_diff(saved_yaml: str, config: RunConfig) -> list[Change]:
     """Field-by-field differences, saved (old) vs the new config."""
-    old = _flatten(yaml.safe_load(saved_yaml) or {})
-    new = _flatten(config.model_dump(mode="json"))
+    old = flatten(yaml.safe_load(saved_yaml) or {})
+    new = flatten(config.model_dump(mode="json"))
     keys = sorted(set(old) | set(new))
     return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 

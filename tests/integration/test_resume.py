@@ -60,10 +60,13 @@ def metric_lines(run_dir: Path) -> list[dict]:
 
 
 def train_in_subprocess(config: Path, **env) -> int:
-    return subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "mogrpo.cli", "train", str(config)],
-        env={**os.environ, **env}, capture_output=True, timeout=300,
-    ).returncode
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )
+    if done.returncode not in (0, -9):
+        print(done.stderr[-3000:])
+    return done.returncode
 
 
 def test_sigkill_mid_step_then_resume_is_bit_identical(tmp_path, tiny_model):
@@ -206,3 +209,37 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model, caps
     (tmp_path / "run").mkdir()
     with pytest.raises(MogrpoError, match="found no intact checkpoint"):
         find_resume(tmp_path / "run", "auto")
+
+
+def test_trackers_continue_the_same_runs_after_a_kill(tmp_path, tiny_model, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from wandb_reader import history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_RUN_ID", "stale-run-from-before")  # must not be attached to
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 4,
+                          sft={"enabled": False},
+                          logging={"trackers": ["wandb", "mlflow", "tensorboard"]})
+    # Checkpoint at step 2; killed in step 4, after step 3 reached the trackers.
+    assert train_in_subprocess(config, KILL_ON_REWARD_CALL="4") == -9
+    assert main(["train", str(config), "--resume", "auto"]) == 0
+    run = tmp_path / "run"
+    steps = [m["step"] for m in metric_lines(run)]
+    assert steps == [1, 2, 3, 4]
+    expected = {m["step"]: m["loss"] for m in metric_lines(run)}
+
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len({f.name for f in files}) == 1  # re-attached at each checkpoint: one run id
+    assert "stale-run-from-before" not in files[0].name
+    logged = [(row["_step"], row["loss"]) for f in files for row in history(f) if "loss" in row]
+    assert sorted(step for step, _ in logged) == [1, 2, 3, 4]
+    assert all(loss == pytest.approx(expected[step]) for step, loss in logged)
+
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1
+    values = client.get_metric_history(runs[0].info.run_id, "loss")
+    assert sorted(m.step for m in values) == [1, 2, 3, 4]
+    assert (run / "tensorboard").is_dir()

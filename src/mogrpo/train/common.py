@@ -94,6 +94,17 @@ class MetricsWriter:
         self.close()
 
 
+class Tee:
+    """Writes each record to several sinks (the metrics file, the trackers)."""
+
+    def __init__(self, *sinks: Any) -> None:
+        self.sinks = sinks
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+
 class Progress:
     """A tqdm bar showing each task's reward; silent when off or when stderr is not a TTY."""
 

@@ -35,7 +35,8 @@ from mogrpo.modeling.load import (
 from mogrpo.modeling.reference import make_reference
 from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
-from mogrpo.train.common import MetricsWriter, TrainContext
+from mogrpo.tracking import Trackers
+from mogrpo.train.common import MetricsWriter, Tee, TrainContext
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
 from mogrpo.train.tasks import Task, load_tasks
@@ -151,13 +152,20 @@ def run_training(config: RunConfig, resume: str | None = None,
     reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
     trainer = GRPOTrainer(ctx, reference)
     if loaded is not None:
-        _restore(loaded, ctx, trainer, quick_eval)
         summary.update(loaded.state.get("summary", {}))
+    trackers = Trackers(
+        config, run_dir, state=loaded.state.get("trackers") if loaded else None,
+        resume_step=loaded.state["step"] if loaded else None,
+    )
+    if loaded is not None:
+        _restore(loaded, ctx, trainer, quick_eval)  # RNG last: after the trackers started
 
     def checkpoint(step: int) -> None:
+        trackers.barrier()
         state = {"trainer": trainer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
                  "quick_eval": quick_eval.state_dict(), "sft_done": sft_done,
-                 "config_hash": config_hash(config), "summary": summary}
+                 "config_hash": config_hash(config), "summary": summary,
+                 "trackers": trackers.state_dict()}
         path = save_checkpoint(run_dir, step, model=ctx.policy, optimizer=trainer.optimizer,
                                state=state, config_yaml=to_yaml(config))
         protected = {p["step"] for p in quick_eval.pareto.to_json()["front"]}
@@ -166,7 +174,9 @@ def run_training(config: RunConfig, resume: str | None = None,
         log.info("checkpoint saved: %s", path)
 
     with MetricsWriter(run_dir / "metrics.jsonl") as writer:
-        trainer.run(writer, lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
+        trainer.run(Tee(writer, trackers),
+                    lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
+    trackers.close()
     quick_eval("end", trainer.step, trainer.last_metrics)
     quick_eval.close()
     summary["evals"] = quick_eval.scores
