@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="directory for the model and run (default runs/demo)")
     _add_set(demo)
 
+    from mogrpo import serve_cli
+
+    serve_cli.add_parser(sub)
+
     config = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     show = config_sub.add_parser(
@@ -180,6 +184,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mogrpo import serve
+
+    return serve.main(args)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     from mogrpo.config import describe, load_config
 
@@ -203,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
-                "doctor": cmd_doctor}
+                "doctor": cmd_doctor, "serve": cmd_serve}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command

@@ -34,7 +34,7 @@ from mogrpo.train.common import (
     render_prompts,
 )
 from mogrpo.train.metrics import format_step, reward_metrics
-from mogrpo.train.tasks import TaskMixer
+from mogrpo.train.tasks import TaskMixer, judges
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,16 @@ class GRPOTrainer:
             metrics[f"task/{task.name}/beta"] = self.kl_controllers[t].beta
         return metrics
 
+    def judge_stats(self) -> dict[str, float]:
+        """This step's LLM-judge calls: one `[Judge@N]` line per judge, and metrics."""
+        metrics: dict[str, float] = {}
+        for key, judge in judges(self.ctx.tasks).items():
+            stats = judge.take_stats()
+            log.info("%s (%s)", judge.format_stats(self.step + 1, stats), key)
+            metrics.update(judge.metrics(f"task/{key.split('/')[0]}/judge/{key.split('/')[1]}",
+                                         stats))
+        return metrics
+
     def adapt_kl(self, metrics: dict[str, float]) -> None:
         """Feed each task's measured KL to its controller; log every change of β."""
         for t, task in enumerate(self.ctx.tasks):
@@ -280,6 +290,7 @@ class GRPOTrainer:
         if self.config.algorithm.dynamic_sampling:
             rewards, sampling_metrics = self.keep_informative(rewards)
             metrics.update(sampling_metrics)
+        metrics.update(self.judge_stats())
         batch, reward_stats = self.advantages(rewards)
         t2 = time.perf_counter()
         self.reference_logprobs(batch)
@@ -333,6 +344,7 @@ class GRPOTrainer:
             "mixer": self.mixer.state_dict(),
             "kl_controllers": [c.state_dict() for c in self.kl_controllers],
             "kl_window": [list(w) for w in self._kl_window],
+            "judges": {key: judge.state_dict() for key, judge in judges(self.ctx.tasks).items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -342,6 +354,9 @@ class GRPOTrainer:
         for controller, saved in zip(self.kl_controllers, state["kl_controllers"], strict=True):
             controller.load_state_dict(saved)
         self._kl_window = [list(w) for w in state["kl_window"]]
+        for key, judge in judges(self.ctx.tasks).items():
+            if key in state.get("judges", {}):
+                judge.load_state_dict(state["judges"][key])
 
     def _micro_batches(self, batch_size: int) -> list[slice]:
         size = self.config.train.micro_batch_size

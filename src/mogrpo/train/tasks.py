@@ -10,14 +10,16 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mogrpo.algo.schedules import WeightSchedule, from_config
-from mogrpo.config import RunConfig, TaskConfig
+from mogrpo.config import RewardConfig, RunConfig, TaskConfig
 from mogrpo.data.readers import Record, read_records
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
 from mogrpo.rewards.base import resolve_reward
+from mogrpo.rewards.judge import JudgeReward
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,23 @@ def _examples(spec: str, task: TaskConfig, seed: int) -> list[Example]:
     )
 
 
+def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
+            ) -> tuple[str, Callable, dict[str, Any]]:
+    """(label, callable, per-call kwargs). A `judge` is built once from its options (they are
+    consumed here, not passed per call); everything else resolves by name or import path."""
+    if reward.fn.strip() == "judge":
+        judge = JudgeReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
+                                         cache_dir=Path(config.output.dir))
+        return reward.label, judge, {}
+    return reward.label, resolve_reward(reward.fn), dict(reward.kwargs)
+
+
+def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
+    """Every judge reward of the run, keyed `task/label`."""
+    return {f"{t.name}/{label}": fn for t in tasks for label, fn, _ in t.reward_fns
+            if isinstance(fn, JudgeReward)}
+
+
 def load_tasks(config: RunConfig) -> list[Task]:
     """Read every task's data and resolve its reward functions (no model needed)."""
     tasks = []
@@ -68,7 +87,7 @@ def load_tasks(config: RunConfig) -> list[Task]:
             train, held_out = split_examples(examples, tc.eval_size, config.seed)
         else:
             train, held_out = examples, []
-        fns = [(r.label, resolve_reward(r.fn), dict(r.kwargs)) for r in tc.rewards]
+        fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         tasks.append(Task(name, tc, train, held_out, fns, schedules))

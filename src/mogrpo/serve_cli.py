@@ -1,0 +1,25 @@
+"""Argument parser of `mogrpo serve` (kept apart from the server so `--help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `mogrpo serve MODEL_PATH [--host] [--port] [--max-batch] [--max-new-tokens]`."""
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI chat-completions API",
+        description="Serve a Hugging Face model directory (or a run directory: its final model) "
+        "at http://HOST:PORT/v1 with POST /v1/chat/completions and GET /v1/models, for use as a "
+        "local judge or to try a trained policy with any OpenAI client. Concurrent requests are "
+        "batched. Binds 127.0.0.1 by default; the server has no authentication.")
+    parser.add_argument("model_path", metavar="MODEL_PATH", help="model directory, run directory or hub id")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    parser.add_argument("--max-batch", type=int, default=8, help="requests generated together (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="cap on max_tokens of any request (default 256)")
+    parser.add_argument("--name", default=None, help="model id reported by /v1/models (default: directory name)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
+    return parser

@@ -1,0 +1,184 @@
+"""`mogrpo serve` on a tiny model: the official OpenAI client, a judge, batching and errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from judge_server import build_seven_model, judge_options
+from mogrpo.errors import ModelError
+from mogrpo.rewards.judge import JudgeReward
+from mogrpo.serve import resolve_model_dir, start_server
+from mogrpo.serve_cli import add_parser
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def seven(tmp_path_factory):
+    return build_seven_model(tmp_path_factory.mktemp("seven") / "model")
+
+
+@pytest.fixture(scope="module")
+def served(seven):
+    server, thread = start_server(str(seven), port=0, max_batch=4, max_new_tokens=8)
+    yield server
+    server.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
+
+
+def post(server, body: dict | bytes) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{server.url}/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_openai_client_round_trip(served):
+    api = client(served)
+    reply = api.chat.completions.create(
+        model="anything", temperature=0, max_tokens=8,
+        messages=[{"role": "system", "content": "Grade it."},
+                  {"role": "user", "content": "Anna was late. Who was late? Answer: Anna"}])
+    choice = reply.choices[0]
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant", "7", "stop")
+    assert reply.model == "model" and reply.usage.completion_tokens == 2  # "7" + end of turn
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 2 > 2
+    assert [m.id for m in api.models.list().data] == ["model"]
+
+
+def test_n_stop_and_length(served):
+    status, body = post(served, {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                 "temperature": 0})
+    assert status == 200 and [c["message"]["content"] for c in body["choices"]] == ["7", "7"]
+    status, body = post(served, {"messages": [{"role": "user", "content": "hi"}], "stop": ["7"],
+                                 "temperature": 0})
+    assert (body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]) == ("", "stop")
+    status, body = post(served, {"messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 1, "temperature": 0})
+    assert (body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]) == ("7", "length")
+
+
+def test_a_model_without_chat_template_gets_plain_text(served, monkeypatch):
+    monkeypatch.setattr(served.batcher.tokenizer, "chat_template", None)
+    system_and_user = [{"role": "system", "content": "Grade."}, {"role": "user", "content": "hi"}]
+    status, body = post(served, {"messages": system_and_user, "temperature": 0})
+    assert status == 200 and body["choices"][0]["message"]["content"] == "7"
+    turns = [*system_and_user, {"role": "assistant", "content": "7"}, {"role": "user", "content": "?"}]
+    status, body = post(served, {"messages": turns})
+    assert status == 400 and "no chat template is in use" in body["error"]["message"]
+
+
+def test_a_judge_scores_through_the_server(served):
+    judge = JudgeReward.from_options(judge_options(served.url, timeout=30), where="judge",
+                                     cache_dir=None)
+    scores = judge(["Who was late?"] * 3, ["Anna", "Ben", "Cannot be determined"])
+    assert scores == [pytest.approx(0.7)] * 3
+    stats = judge.last_stats()
+    assert (stats["requests"], stats["failed"], stats["answers"]) == (3, 0, {"primary": 3})
+
+
+def test_concurrent_requests_share_generate_calls(served, monkeypatch):
+    batcher = served.batcher
+    fill = batcher._fill
+    busy, release = threading.Event(), threading.Event()
+
+    def held(jobs):  # the first batch holds the worker, so the next requests queue up behind it
+        if not release.is_set():
+            busy.set()
+            release.wait(20)
+        fill(jobs)
+
+    monkeypatch.setattr(batcher, "_fill", held)
+    before = (batcher.batches, batcher.generate_calls)
+    results: list[tuple[int, dict]] = []
+
+    def send(body):
+        results.append(post(served, body))
+
+    blocker = threading.Thread(target=send, args=({"messages": [{"role": "user", "content": "x"}]},))
+    blocker.start()
+    assert busy.wait(20)
+    bodies = [{"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0}
+              for i in range(6)] + [{"messages": [{"role": "user", "content": "q"}], "top_p": 0.5}]
+    threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for _ in range(2000):  # bounded wait (<= 20 s) for all 7 to be queued
+        if batcher.queue.qsize() == len(bodies):
+            break
+        release.wait(0.01)
+    release.set()
+    for t in [blocker, *threads]:
+        t.join(timeout=30)
+    assert len(results) == 8 and {status for status, _ in results} == {200}
+    batches, calls = batcher.batches - before[0], batcher.generate_calls - before[1]
+    # The blocker alone, then 4 (max_batch) drained at once, then the other 3; the sampled
+    # request (top_p 0.5) has its own settings, so its batch makes two generate calls.
+    assert (batches, calls, batcher.largest_batch) == (3, 4, 4)
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, 400, "'stream' is not supported"),
+    ({"messages": []}, 400, "messages must be a non-empty list"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "needs a role of system, user or assistant"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature = 3"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "fit the model's context"),
+    (b"{not json", 400, "not valid JSON"),
+])
+def test_bad_requests_get_openai_style_errors(served, body, status, message):
+    code, payload = post(served, body)
+    assert code == status and message in payload["error"]["message"]
+    assert payload["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_a_bad_request_error(served):
+    with pytest.raises(openai.BadRequestError, match="n = 99"):
+        client(served).chat.completions.create(
+            model="m", n=99, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_run_directory_resolves_to_its_final_model(tmp_path, seven):
+    run = tmp_path / "run"
+    (run / "final" / "merged").mkdir(parents=True)
+    (run / "final" / "merged" / "config.json").write_text("{}")
+    assert resolve_model_dir(str(run)) == str(run / "final" / "merged")
+    assert resolve_model_dir(str(seven)) == str(seven)
+    (run / "final" / "adapter").mkdir()
+    (run / "final" / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelError, match="holds a LoRA adapter, not a model; serve the merged"):
+        resolve_model_dir(str(run / "final" / "adapter"))
+
+
+def test_cli_arguments():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "runs/x/final/merged", "--port", "0", "--max-batch", "2"])
+    assert (args.command, args.model_path, args.host, args.port, args.max_batch,
+            args.max_new_tokens) == ("serve", "runs/x/final/merged", "127.0.0.1", 0, 2, 256)
+
+
+def test_close_stops_serving(seven):
+    server, thread = start_server(str(seven), port=0, max_new_tokens=4)
+    url = server.url
+    assert post(server, {"messages": [{"role": "user", "content": "hi"}]})[0] == 200
+    server.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not server.batcher.thread.is_alive()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{url}/models", timeout=2)

@@ -1,0 +1,43 @@
+"""A `judge` reward configured in YAML is built once per task, before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from mogrpo.config import load_config
+from mogrpo.errors import MogrpoError
+from mogrpo.rewards.judge import JudgeReward
+from mogrpo.train.tasks import judges, load_tasks
+
+JUDGE = {
+    "providers": [{"name": "local", "base_url": "http://127.0.0.1:9/v1", "model": "judge"}],
+    "template": "Question: {prompt}\nAnswer: {completion}\nScore 0-10:",
+    "parser": {"kind": "number", "min": 0, "max": 10},
+}
+
+
+def base(tmp_path, kwargs) -> dict:
+    return {
+        "model": {"name_or_path": "unused"},
+        "output": {"dir": str(tmp_path / "run")},
+        "tasks": {"fairness": {"data": "builtin:bias_probe?size=8",
+                               "rewards": ["mc_correct", {"fn": "judge", "name": "judge",
+                                                          "kwargs": kwargs}]}},
+    }
+
+
+def test_judge_reward_from_config(tmp_path):
+    config, _ = load_config(None, [], environ={}, base=base(tmp_path, JUDGE))
+    tasks = load_tasks(config)
+    label, fn, kwargs = tasks[0].reward_fns[1]
+    assert (label, kwargs) == ("judge", {})
+    assert isinstance(fn, JudgeReward)
+    assert list(judges(tasks)) == ["fairness/judge"]
+    assert not (tmp_path / "run").exists()  # nothing written before the run starts
+
+
+def test_bad_judge_option_names_the_config_path(tmp_path):
+    bad = {**JUDGE, "template": "Score this: {answer_text}"}
+    config, _ = load_config(None, [], environ={}, base=base(tmp_path, bad))
+    with pytest.raises(MogrpoError, match=r"tasks\.fairness\.rewards\.1\.kwargs"):
+        load_tasks(config)
