@@ -213,7 +213,6 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model, caps
 
 def test_trackers_continue_the_same_runs_after_a_kill(tmp_path, tiny_model, monkeypatch):
     from mlflow.tracking import MlflowClient
-
     from wandb_reader import history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
