@@ -154,11 +154,11 @@ class ParetoTracker:
         the best on that task (every tied point is marked)."""
         front, tasks = self.front, self.tasks
         if not front:
-            return "[Pareto] no evaluated checkpoints yet"
+            return "[Pareto] no evaluated steps yet"
         top = {t: _value(p, t) for t, p in self.best.items()}
         widths = [max(len(t), 6) for t in tasks]
         lines = [
-            f"[Pareto] {len(front)} of {len(self.points)} evaluated checkpoints on the front "
+            f"[Pareto] {len(front)} of {len(self.points)} evaluated steps on the front "
             "(* = best on that task)",
             "  " + "step".rjust(6) + "".join(f"  {t.rjust(w)}" for t, w in zip(tasks, widths, strict=True)),
         ]

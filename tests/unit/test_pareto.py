@@ -98,12 +98,12 @@ def test_tracker_replaces_a_re_evaluated_step():
 
 def test_tracker_format_text():
     assert make_tracker().format() == (
-        "[Pareto] 2 of 4 evaluated checkpoints on the front (* = best on that task)\n"
+        "[Pareto] 2 of 4 evaluated steps on the front (* = best on that task)\n"
         "    step  fairness  hallucination\n"
         "      20     0.452*          0.397\n"
         "      40     0.431           0.497*"
     )
-    assert ParetoTracker().format() == "[Pareto] no evaluated checkpoints yet"
+    assert ParetoTracker().format() == "[Pareto] no evaluated steps yet"
 
 
 def test_format_marks_every_tied_best_and_shows_nan():
