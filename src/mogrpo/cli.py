@@ -92,9 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         "config summary and hash, package versions then and now, controller states, and — "
         "with --config — whether resuming with that config would be allowed, with the diff.",
     )
-    doctor.add_argument("target", help="a checkpoint directory (RUN/checkpoints/step-N)")
+    doctor.add_argument("target", help="`env`, or a checkpoint directory (RUN/checkpoints/step-N)")
     doctor.add_argument("--config", type=Path, help="a config to check a resume against")
+    doctor.add_argument("--json", action="store_true", help="`doctor env`: print JSON")
     _add_set(doctor)
+
+    from mogrpo import memory
+
+    memory.add_parser(sub)
 
     demo = sub.add_parser(
         "demo", help="build a tiny model and run the built-in two-task demo",
@@ -165,6 +170,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from mogrpo.errors import MogrpoError
     from mogrpo.resume import doctor_report
 
+    if args.target == "env":
+        from mogrpo.doctor_env import cmd_doctor_env
+
+        return cmd_doctor_env(args)
     path = Path(args.target)
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
@@ -182,6 +191,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     summary = run_training(config)
     print(format_summary(summary))
     return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from mogrpo.memory import cmd_memory as run
+
+    return run(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -213,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
-                "doctor": cmd_doctor, "serve": cmd_serve}
+                "doctor": cmd_doctor, "serve": cmd_serve, "memory": cmd_memory}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command
@@ -227,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[command](args)
     except MogrpoError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mogrpo.errors import ConfigError
+from mogrpo.health import HealthConfig
 
 ENV_PREFIX = "MOGRPO_"
 
@@ -307,6 +308,8 @@ class RunConfig(Section):
     """Console output."""
     output: OutputConfig = Field(default_factory=OutputConfig)
     """Run directory and saved models."""
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    """Training health checks: threshold, patience and action of each."""
 
     @property
     def prompts_per_step(self) -> int:

@@ -21,6 +21,8 @@ from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.config import RunConfig
 from mogrpo.data.schema import Example
+from mogrpo.health import HealthMonitor, HealthStop, StepContext
+from mogrpo.memory import peak_bytes, reset_peak
 from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import score as score_rewards
 from mogrpo.rollout.batching import concat_rollouts, select_groups
@@ -37,6 +39,7 @@ from mogrpo.train.metrics import format_step, reward_metrics
 from mogrpo.train.tasks import TaskMixer, judges
 
 log = logging.getLogger(__name__)
+UPDATE_NORM_MAX_PARAMS = 50_000_000
 
 
 @dataclass
@@ -83,6 +86,12 @@ class GRPOTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.last_metrics: dict[str, float] = {}
+        self.health = HealthMonitor(self.config.health)
+        self.health_ctx = StepContext(
+            temperature=self.config.rollout.temperature,
+            kl_measured=reference is not None and any(t.config.beta > 0 for t in ctx.tasks),
+            max_completion_length=self.config.rollout.completion_length,
+        )
 
     # ------------------------------------------------------------------ phases
 
@@ -199,7 +208,8 @@ class GRPOTrainer:
         normalizer = loss_normalizer(ro.completion_mask, algo.loss_aggregation,
                                      self.config.rollout.completion_length)
         seq_kl = torch.zeros(ro.batch_size)
-        totals = {"loss": 0.0, "clip_tokens": 0.0, "tokens": 0, "entropy": 0.0, "grad_norm": 0.0}
+        totals = {"loss": 0.0, "clip_tokens": 0.0, "tokens": 0, "entropy": 0.0, "grad_norm": 0.0,
+                  "update_norm": 0.0}
         for it in range(algo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for rows in self._micro_batches(ro.batch_size):
@@ -223,11 +233,20 @@ class GRPOTrainer:
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
                     totals["tokens"] += out.num_tokens
                     totals["entropy"] += float(entropy[args[3].bool()].sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in policy.parameters() if p.requires_grad], self.config.train.max_grad_norm
-            )
+            params = [p for p in policy.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.max_grad_norm)
             if torch.isfinite(grad_norm):
+                # How far the weights moved (0 = nothing is learned). It needs a copy of the
+                # trainable weights, so it is measured for adapters and small models only.
+                small = sum(p.numel() for p in params) <= UPDATE_NORM_MAX_PARAMS
+                before = [p.detach().clone() for p in params] if it == 0 and small else None
                 self.optimizer.step()
+                if before is not None:
+                    diffs = [torch.linalg.vector_norm(p.detach() - b)
+                             for p, b in zip(params, before, strict=True)]
+                    totals["update_norm"] = float(torch.linalg.vector_norm(torch.stack(diffs)))
+                else:
+                    totals["update_norm"] = float("nan")
             else:  # a non-finite gradient would poison AdamW's moments; skip and count it
                 self.skipped_updates += 1
                 log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
@@ -237,6 +256,7 @@ class GRPOTrainer:
         metrics = {
             "loss": totals["loss"],
             "policy/grad_norm": totals["grad_norm"],
+            "policy/update_norm": totals["update_norm"],
             "policy/clip_frac": totals["clip_tokens"] / tokens,
             "policy/entropy": totals["entropy"] / tokens,
             "policy/skipped_updates": self.skipped_updates,
@@ -281,6 +301,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ loop
 
     def train_step(self) -> dict[str, float]:
+        reset_peak(self.ctx.device)
         t0 = time.perf_counter()
         picks = self.draw_prompts()
         rollout = self.generate(picks)
@@ -305,12 +326,16 @@ class GRPOTrainer:
             "rollout/completion_length": float(ro.lengths.float().mean()),
             "rollout/truncated_frac": float(ro.truncated.float().mean()),
             "rollout/prompt_truncated": ro.prompt_truncated,
+            "rollout/nonfinite_logits": ro.nonfinite_logits,
+            "rollout/identical_group_frac": _identical_groups(ro),
             "rollout/groups": len(rewards.picks),
             "time/rollout_s": t1 - t0,
             "time/reward_s": t2 - t1,
             "time/update_s": t3 - t2,
             "time/step_s": t3 - t0,
             "throughput/completion_tokens_per_s": int(rollout.lengths.sum()) / max(t1 - t0, 1e-9),
+            # CUDA: peak reserved memory; CPU: the process's peak RSS (compare with `mogrpo memory`)
+            "memory/peak_gib": peak_bytes(self.ctx.device) / 2**30,
         })
         self.adapt_kl(metrics)
         return metrics
@@ -329,12 +354,20 @@ class GRPOTrainer:
                 writer.write(metrics)
                 self.last_metrics = metrics
                 bar.update(metrics, self.ctx.tasks)
+                self.health_ctx.lr = metrics["lr"]
+                for alert in self.health.observe(self.step, metrics, self.health_ctx):
+                    log.warning(alert.message)
+                    writer.write(alert.as_event())
                 if self.step % cfg.logging.log_every == 0:
                     log.info(format_step(metrics, [t.name for t in self.ctx.tasks], cfg.train.max_steps))
                 if checkpoint is not None and (
                     (save_every and self.step % save_every == 0) or self.step == cfg.train.max_steps
                 ):
                     checkpoint(self.step)
+                if self.health.should_stop:
+                    if checkpoint is not None and not (save_every and self.step % save_every == 0):
+                        checkpoint(self.step)  # leave a resumable state behind
+                    raise HealthStop([a for a in self.health.alerts if a.action == "stop"])
 
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters and controllers (JSON-safe)."""
@@ -345,6 +378,7 @@ class GRPOTrainer:
             "kl_controllers": [c.state_dict() for c in self.kl_controllers],
             "kl_window": [list(w) for w in self._kl_window],
             "judges": {key: judge.state_dict() for key, judge in judges(self.ctx.tasks).items()},
+            "health": self.health.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -354,6 +388,8 @@ class GRPOTrainer:
         for controller, saved in zip(self.kl_controllers, state["kl_controllers"], strict=True):
             controller.load_state_dict(saved)
         self._kl_window = [list(w) for w in state["kl_window"]]
+        if "health" in state:
+            self.health.load_state_dict(state["health"])
         for key, judge in judges(self.ctx.tasks).items():
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])
@@ -361,6 +397,13 @@ class GRPOTrainer:
     def _micro_batches(self, batch_size: int) -> list[slice]:
         size = self.config.train.micro_batch_size
         return [slice(i, min(i + size, batch_size)) for i in range(0, batch_size, size)]
+
+
+def _identical_groups(ro: Rollout) -> float:
+    """Fraction of prompts whose K completions are all the same text (sampling looks off)."""
+    K = ro.num_generations
+    groups = [ro.texts[i:i + K] for i in range(0, len(ro.texts), K)]
+    return sum(len(set(g)) == 1 for g in groups) / max(len(groups), 1)
 
 
 def _select(batch: RewardBatch, groups: list[int]) -> RewardBatch:

@@ -23,8 +23,10 @@ from mogrpo.checkpoint import (
     save_checkpoint,
 )
 from mogrpo.config import RunConfig, to_yaml
-from mogrpo.errors import ConfigError
+from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.evaluation import QuickEval
+from mogrpo.health import HealthStop
+from mogrpo.memory import estimate
 from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
@@ -138,7 +140,9 @@ def run_training(config: RunConfig, resume: str | None = None,
     sft_dir = run_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None
     ctx = build_context(config, tasks, base)
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks]}
+    summary_memory = _memory_estimate(ctx, config)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks],
+                               "memory_estimate_gib": summary_memory}
     quick_eval = QuickEval(ctx, run_dir)
     sft_done = bool(loaded and loaded.state["sft_done"])
     if loaded is None:
@@ -173,10 +177,19 @@ def run_training(config: RunConfig, resume: str | None = None,
         prune(run_dir, config.output.keep_last, protected)
         log.info("checkpoint saved: %s", path)
 
-    with MetricsWriter(run_dir / "metrics.jsonl") as writer:
-        trainer.run(Tee(writer, trackers),
-                    lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
-    trackers.close()
+    try:
+        with MetricsWriter(run_dir / "metrics.jsonl") as writer:
+            trainer.run(Tee(writer, trackers),
+                        lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
+    except HealthStop:
+        summary["health"] = [a.as_event() for a in trainer.health.alerts]
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        log.error(trainer.health.summary())
+        raise
+    finally:
+        trackers.close()
+    summary["health"] = [a.as_event() for a in trainer.health.alerts]
+    log.info(trainer.health.summary())
     quick_eval("end", trainer.step, trainer.last_metrics)
     quick_eval.close()
     summary["evals"] = quick_eval.scores
@@ -186,6 +199,19 @@ def run_training(config: RunConfig, resume: str | None = None,
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged).items()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return summary
+
+
+def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
+    """The planner's estimate for this run, logged next to the measured peak of each step."""
+    try:
+        est = estimate(ctx.policy.config, config, device=ctx.device.type)
+    except MogrpoError as err:  # e.g. an architecture the planner does not model
+        log.info("memory estimate unavailable: %s", err)
+        return None
+    log.debug("%s", est.table())
+    log.info("estimated peak memory %.2f GiB (see `mogrpo memory`); measured per step as "
+             "memory/peak_gib", est.total / 2**30)
+    return est.total / 2**30
 
 
 def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str,

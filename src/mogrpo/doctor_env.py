@@ -1,0 +1,217 @@
+"""`mogrpo doctor env`: what this machine offers a run — versions, GPUs and their memory, kernels.
+
+`collect()` gathers plain data (JSON-safe, testable with stubbed `torch.cuda` functions);
+`report()` turns it into the text a user pastes into a bug report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+PACKAGES = ("mogrpo", "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes",
+            "flash_attn", "triton")
+FULL_GPU = 0.9
+"""A GPU whose memory is more than this fraction in use is reported as (nearly) full."""
+# Variables that silently change a run: leftovers from an earlier run attach to the wrong
+# W&B run (USERS.md #8), the others pick devices, caches and allocator behaviour.
+WATCHED_ENV = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_HUB_OFFLINE",
+               "TRANSFORMERS_OFFLINE", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE", "OMP_NUM_THREADS")
+STALE_ENV = {"WANDB_RUN_ID": "the next run attaches to that W&B run",
+             "WANDB_RESUME": "the next run resumes a W&B run instead of starting one"}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+
+def _importable(module: str) -> tuple[bool, str]:
+    """Whether `module` imports; the first line of the error when it does not."""
+    if importlib.util.find_spec(module) is None:
+        return False, "not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - a broken CUDA extension raises anything
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        return False, f"installed but fails to import: {first}"
+    return True, "importable"
+
+
+def _cpu() -> dict[str, Any]:
+    """CPU model, logical and usable cores, RAM total and available (Linux /proc, else sysconf)."""
+    info: dict[str, Any] = {"model": platform.processor() or platform.machine(),
+                            "logical_cores": os.cpu_count()}
+    if hasattr(os, "sched_getaffinity"):  # cores this process may use (containers, taskset)
+        info["usable_cores"] = len(os.sched_getaffinity(0))
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                info["model"] = line.split(":", 1)[1].strip()
+                break
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        info["ram_total"] = int(fields["MemTotal"].split()[0]) * 1024
+        if "MemAvailable" in fields:
+            info["ram_available"] = int(fields["MemAvailable"].split()[0]) * 1024
+    elif hasattr(os, "sysconf"):
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["ram_total"] = pages * size
+    return info
+
+
+def _gpus(torch: Any) -> list[dict[str, Any]]:
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        reserved = torch.cuda.memory_reserved(i)
+        gpus.append({
+            "index": i, "name": props.name, "capability": f"{props.major}.{props.minor}",
+            "total": int(props.total_memory), "free": int(free),
+            "allocated": int(torch.cuda.memory_allocated(i)), "reserved": int(reserved),
+            # what neither this process's allocator holds nor is free: other processes, contexts
+            "other_processes": max(0, int(total) - int(free) - int(reserved)),
+        })
+    return gpus
+
+
+def _features(torch: Any, cuda: bool, gpus: list[dict[str, Any]]) -> dict[str, tuple[bool, str]]:
+    features: dict[str, tuple[bool, str]] = {}
+    if cuda:
+        bf16 = bool(torch.cuda.is_bf16_supported())
+        features["bf16"] = (bf16, "supported by the GPU" if bf16 else
+                            "not supported (pre-Ampere GPU): model.dtype auto uses float16")
+    else:
+        features["bf16"] = (False, "no GPU (runs on the CPU use float32)")
+    ok, why = _importable("flash_attn")
+    ampere = all(float(g["capability"]) >= 8.0 for g in gpus) and bool(gpus)
+    features["flash_attention_2"] = (ok and ampere, why if not ok else "importable, GPU sm80+"
+                                     if ampere else "needs a GPU of compute capability 8.0+")
+    ok, why = _importable("bitsandbytes")
+    features["bitsandbytes (4-bit)"] = (ok and cuda, why if not ok else "importable with CUDA"
+                                        if cuda else "4-bit loading needs a CUDA GPU")
+    features["torch.compile"] = _compile_status(torch, cuda)
+    return features
+
+
+def _compile_status(torch: Any, cuda: bool) -> tuple[bool, str]:
+    """Heuristic: inductor needs triton on GPU and a C++ compiler on CPU (nothing is compiled)."""
+    if not hasattr(torch, "compile"):
+        return False, "torch < 2.0"
+    if sys.platform == "win32":
+        return False, "inductor is not supported on Windows"
+    if cuda:
+        found = importlib.util.find_spec("triton") is not None
+        return found, "triton found" if found else "triton missing: `pip install triton`"
+    compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    return bool(compiler), f"CPU inductor via {compiler}" if compiler else "no C++ compiler on PATH"
+
+
+def collect() -> dict[str, Any]:
+    """Everything `report` prints, as JSON-safe data."""
+    import torch
+
+    cuda = bool(torch.cuda.is_available())
+    gpus = _gpus(torch) if cuda else []
+    return {
+        "python": {"version": platform.python_version(), "executable": sys.executable,
+                   "platform": platform.platform()},
+        "packages": {name: _version(name) for name in PACKAGES},
+        "cuda": {"available": cuda, "torch_cuda": torch.version.cuda,
+                 "cudnn": torch.backends.cudnn.version() if cuda else None, "gpus": gpus},
+        "cpu": _cpu(),
+        "features": {k: list(v) for k, v in _features(torch, cuda, gpus).items()},
+        "env": {name: os.environ[name] for name in WATCHED_ENV if name in os.environ},
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def report(info: dict[str, Any]) -> str:
+    """The environment as readable text, with a warning line for each problem found."""
+    py, cuda, cpu = info["python"], info["cuda"], info["cpu"]
+    lines = [f"Python {py['version']} ({py['executable']}) on {py['platform']}", "", "packages:"]
+    lines += [f"  {name:<13} {version or 'not installed'}"
+              for name, version in info["packages"].items()]
+    warnings: list[str] = []
+    lines.append("")
+    if cuda["available"]:
+        lines.append(f"CUDA: available (torch built for CUDA {cuda['torch_cuda']}, cuDNN "
+                     f"{cuda['cudnn']}), {len(cuda['gpus'])} GPU(s)")
+        for g in cuda["gpus"]:
+            used = 1 - g["free"] / g["total"] if g["total"] else 0.0
+            lines.append(
+                f"  GPU {g['index']}: {g['name']}, compute {g['capability']}, {_gib(g['total'])} "
+                f"total, {_gib(g['free'])} free ({used:.0%} in use); this process: allocated "
+                f"{_gib(g['allocated'])}, reserved {_gib(g['reserved'])}; other processes "
+                f"{_gib(g['other_processes'])}")
+            if used > FULL_GPU:
+                warnings.append(
+                    f"GPU {g['index']} is {used:.0%} full ({_gib(g['other_processes'])} held by "
+                    "other processes): `nvidia-smi` shows which; stop them or pick another GPU "
+                    "with CUDA_VISIBLE_DEVICES")
+    else:
+        lines.append("CUDA: not available — no GPU visible to torch; training runs on the CPU "
+                     "(slow; fine for the tiny demo)")
+        if cuda.get("torch_cuda") is None:
+            lines.append("  this torch build has no CUDA support (a CPU wheel)")
+    lines.append(f"CPU: {cpu.get('model')}, {cpu.get('logical_cores')} logical cores"
+                 + (f" ({cpu['usable_cores']} usable)" if "usable_cores" in cpu else ""))
+    if "ram_total" in cpu:
+        available = f", {_gib(cpu['ram_available'])} available" if "ram_available" in cpu else ""
+        lines.append(f"RAM: {_gib(cpu['ram_total'])} total{available}")
+    lines += ["", "features:"]
+    lines += [f"  {name:<21} {'yes' if ok else 'no ':<4} {why}"
+              for name, (ok, why) in info["features"].items()]
+    if info["env"]:
+        lines += ["", "environment:"] + [f"  {k}={v}" for k, v in info["env"].items()]
+        warnings += [f"{k} is set: {why}; unset it unless you mean to"
+                     for k, why in STALE_ENV.items() if k in info["env"]]
+    if warnings:
+        lines += ["", *(f"warning: {w}" for w in warnings)]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `env [--json]` to the `doctor` command's subparsers."""
+    parser = subparsers.add_parser(
+        "env", help="versions, GPUs and their memory, usable kernels",
+        description="Print Python and library versions, each GPU's name, compute capability "
+        "and memory (total, free, allocated and reserved by this process, held by others), "
+        "whether bf16, flash-attention, bitsandbytes and torch.compile are usable, CPU and RAM, "
+        "and environment variables that change a run.")
+    parser.add_argument("--json", action="store_true", help="print the data as JSON")
+    parser.set_defaults(handler=cmd_doctor_env)
+    return parser
+
+
+def cmd_doctor_env(args: argparse.Namespace) -> int:
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else report(info))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `doctor env` standalone (what `mogrpo doctor env` does)."""
+    parser = argparse.ArgumentParser(prog="mogrpo doctor")
+    add_parser(parser.add_subparsers(dest="doctor_command", required=True))
+    return cmd_doctor_env(parser.parse_args(["env", *(sys.argv[1:] if argv is None else argv)]))

@@ -1,0 +1,103 @@
+"""`mogrpo doctor env`: this machine's no-GPU report, and the GPU report on stubbed devices."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mogrpo import doctor_env
+from mogrpo.doctor_env import collect, main, report
+
+GIB = 2**30
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in doctor_env.WATCHED_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_no_gpu_report_says_so_and_shows_cpu_and_ram(no_gpu):
+    info = collect()
+    json.dumps(info)  # JSON-safe, for --json and bug reports
+    text = report(info)
+    assert "CUDA: not available — no GPU visible to torch; training runs on the CPU" in text
+    assert f"{os.cpu_count()} logical cores" in text
+    assert f"  torch         {torch.__version__}" in text
+    assert "bf16                  no   no GPU (runs on the CPU use float32)" in text
+    assert "bitsandbytes (4-bit)  no" in text
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        total_kb = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+        assert f"RAM: {total_kb * 1024 / GIB:.2f} GiB total" in text
+    assert info["cuda"]["gpus"] == [] and "warning" not in text
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch):
+    """An A100 40GB nearly filled by another process, and an idle RTX 4090."""
+    props = [SimpleNamespace(name="NVIDIA A100-SXM4-40GB", major=8, minor=0,
+                             total_memory=42_505_273_344),
+             SimpleNamespace(name="NVIDIA GeForce RTX 4090", major=8, minor=9,
+                             total_memory=25_386_352_640)]
+    free = [2 * GIB, 23 * GIB]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], props[i].total_memory))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: [int(1.5 * GIB), 0][i])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: [2 * GIB, 0][i])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
+    for name in doctor_env.WATCHED_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_gpu_report_shows_each_gpu_and_its_memory(two_gpus):
+    info = collect()
+    a100, rtx = info["cuda"]["gpus"]
+    # other processes = total - free - reserved by this process
+    assert a100["other_processes"] == 42_505_273_344 - 2 * GIB - 2 * GIB
+    text = report(info)
+    assert "CUDA: available (torch built for CUDA 12.4, cuDNN 90100), 2 GPU(s)" in text
+    assert ("GPU 0: NVIDIA A100-SXM4-40GB, compute 8.0, 39.59 GiB total, 2.00 GiB free "
+            "(95% in use); this process: allocated 1.50 GiB, reserved 2.00 GiB; other "
+            "processes 35.59 GiB") in text
+    assert "GPU 1: NVIDIA GeForce RTX 4090, compute 8.9, 23.64 GiB total, 23.00 GiB free (3% in use)" in text
+    assert "warning: GPU 0 is 95% full (35.59 GiB held by other processes)" in text
+    assert "GPU 1 is" not in text
+    assert "bf16                  yes  supported by the GPU" in text
+    # flash_attn and bitsandbytes are not installed here: reported, not crashed on
+    assert "flash_attention_2     no   not installed" in text
+
+
+def test_pre_ampere_gpu_has_no_bf16_nor_flash_attention(two_gpus, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(
+        name="Tesla T4", major=7, minor=5, total_memory=16 * GIB))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(doctor_env, "_importable", lambda module: (True, "importable"))
+    features = collect()["features"]
+    assert features["bf16"][0] is False and "float16" in features["bf16"][1]
+    assert features["flash_attention_2"] == [False, "needs a GPU of compute capability 8.0+"]
+    assert features["bitsandbytes (4-bit)"] == [True, "importable with CUDA"]
+
+
+def test_leftover_wandb_variables_are_warned_about(no_gpu, monkeypatch):
+    monkeypatch.setenv("WANDB_RUN_ID", "abc123")
+    text = report(collect())
+    assert "  WANDB_RUN_ID=abc123" in text
+    assert "warning: WANDB_RUN_ID is set: the next run attaches to that W&B run" in text
+
+
+def test_main_prints_json(no_gpu, capsys):
+    assert main(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cuda"]["available"] is False and data["packages"]["torch"] == torch.__version__

@@ -1,0 +1,285 @@
+"""The memory planner: every term against hand-computed values, the ladder, sizes, the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mogrpo.config import RunConfig
+from mogrpo.errors import ConfigError, ModelError
+from mogrpo.memory import (
+    GIB,
+    ModelShape,
+    estimate,
+    ladder,
+    load_model_config,
+    main,
+    parse_size,
+    peak_bytes,
+    reset_peak,
+)
+
+# Llama-3-8B's shape: hidden 4096, 32 layers, 32 heads of 128, 8 KV heads, SwiGLU 14336,
+# vocabulary 128256, separate input and output embeddings.
+LLAMA_8B = {
+    "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+    "vocab_size": 128256, "tie_word_embeddings": False,
+}
+# Qwen2.5-1.5B's shape: hidden 1536, 28 layers, 12 heads of 128, 2 KV heads, SwiGLU 8960,
+# vocabulary 151936, tied embeddings, q/k/v biases.
+QWEN_1_5B = {
+    "model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+    "vocab_size": 151936, "tie_word_embeddings": True,
+}
+
+
+def users_run(**changes) -> RunConfig:
+    """USERS.md case 4: 8B, LoRA r 16, 4 prompts × K 4 per micro-batch, 128 new tokens, bf16.
+    The prompt budget (512) is an assumption: USERS.md gives only the SFT length (~900)."""
+    data = {
+        "model": {"name_or_path": "llama", "dtype": "bfloat16"},
+        "lora": {"enabled": True, "r": 16, "alpha": 32},
+        "tasks": {"fairness": {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.1}},
+        "rollout": {"num_generations": 4, "max_seq_length": 640, "max_prompt_length": 512,
+                    "max_completion_length": 128},
+        "train": {"micro_batch_size": 16, "gradient_accumulation_steps": 1},
+    }
+    return make_run(data, changes)
+
+
+def qwen_full_run(**changes) -> RunConfig:
+    data = {
+        "model": {"name_or_path": "qwen", "dtype": "bfloat16"},
+        "tasks": {"t": {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.04}},
+        "rollout": {"num_generations": 4, "max_seq_length": 512, "max_prompt_length": 256,
+                    "max_completion_length": 256},
+        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1},
+    }
+    return make_run(data, changes)
+
+
+def make_run(data: dict, changes: dict) -> RunConfig:
+    """`model__dtype="auto"` sets one field; `tasks={...}` replaces a section."""
+    for dotted, value in changes.items():
+        section, _, key = dotted.partition("__")
+        if key:
+            data.setdefault(section, {})[key] = value
+        else:
+            data[section] = value
+    return RunConfig.model_validate(data)
+
+
+def test_parameter_counts_match_the_published_sizes():
+    llama = ModelShape.from_config(LLAMA_8B)
+    # per layer: q 4096² + k, v 4096·1024 each + o 4096² + gate, up, down 4096·14336 each
+    #          = 16,777,216·2 + 4,194,304·2 + 58,720,256·3 = 218,103,808; × 32 = 6,979,321,856
+    assert llama.linear_params() == 6_979_321_856
+    # + embeddings and head 128256·4096 = 525,336,576 each + norms 2·4096·32 + 4096
+    assert llama.params() == 6_979_321_856 + 2 * 525_336_576 + 262_144 + 4096 == 8_030_261_248
+    qwen = ModelShape.from_config(QWEN_1_5B)
+    # per layer: q, o 1536² + k, v 1536·256 + gate, up, down 1536·8960 = 46,792,704; biases
+    # 1536 + 2·256; norms 2·1536. Tied: the embedding 151936·1536 = 233,373,696 counts once.
+    assert qwen.params() == 28 * (46_792_704 + 2048 + 3072) + 1536 + 233_373_696 == 1_543_714_304
+    assert (qwen.kv_dim, qwen.head_dim, qwen.qkv_bias) == (256, 128, True)
+
+
+def test_llama_8b_lora_terms():
+    est = estimate(LLAMA_8B, users_run())
+    assert est["weights"] == 8_030_261_248 * 2  # bf16
+    # LoRA r 16 on all 7 projections: 16·(q 8192 + k 5120 + v 5120 + o 8192 + gate 18432 +
+    # up 18432 + down 18432) = 1,310,720 per layer, × 32 = 41,943,040 params, fp32 (peft)
+    assert est["lora"] == 41_943_040 * 4
+    assert est["gradients"] == 41_943_040 * 4
+    assert est["optimizer"] == 41_943_040 * 8  # AdamW m and v, fp32 like the adapters
+    assert est["reference"] == 0  # LoRA: the reference is the base with adapters disabled
+    assert est["overhead"] == GIB
+    # generation: 4 prompts × K 4 = 16 sequences of 512 + 128 tokens; per token
+    # 2 (k, v) · 32 layers · 8 KV heads · 128 · 2 B = 131,072 B (GQA: a quarter of MHA's)
+    assert est["kv_cache"] == 131_072 * 640 * 16 == 1_342_177_280
+    # per token and layer: RMSNorm inputs 8·4096 = 32,768 + attention 2·(2·4096 + 2·1024) =
+    # 20,480 + SwiGLU 3·2·14336 = 86,016 + LoRA (4 + 1)·(6·4096 + 14336) = 194,560 (fp32
+    # dropout output + bool mask per module) + 7·4·16 = 448 (lora_A outputs) = 334,272 B;
+    # × 16·640 tokens × 32 layers + final norm input 10240·4·4096 = 167,772,160
+    assert est["activations"] == 334_272 * 10_240 * 32 + 167_772_160 == 109_702_021_120
+    # with checkpointing: each layer's input 2·4096 B, plus one layer recomputed
+    assert est.activations_by_checkpointing[True] == 10_240 * (32 * 8192 + 334_272) + 167_772_160
+    # logits: 16 × 129 positions × 128256 × 2 B, and 16 × 128 × 128256 fp32 log-softmax rows
+    assert est["logits"] == 16 * 128_256 * (2 * 129 + 4 * 128) == 1_580_113_920
+    always = 16_060_522_496 + 2 * 167_772_160 + 335_544_320 + GIB
+    assert est.total == always + 109_702_021_120 + 1_580_113_920  # training is the peak phase
+    table = est.table()
+    assert "KV cache (generation)" in table and "no checkpointing (with: 5.84)" in table
+    assert f"{est.total / GIB:7.2f}" in table
+
+
+def test_llama_8b_4bit_weights_include_quantisation_constants():
+    est = estimate(LLAMA_8B, users_run(model__load_in_4bit=True))
+    # NF4 with double quantisation per 64-weight block: 32 B of 4-bit codes + 1 B absmax, and
+    # 4 B per 256 blocks: 6,979,321,856 / 64 = 109,051,904 blocks →
+    # 3,489,660,928 + 109,051,904 + 425,984·4 = 3,600,416,768 B. The other 1,050,939,392
+    # parameters (embeddings, head, norms) are fp32 after prepare_model_for_kbit_training.
+    assert est["weights"] == 3_600_416_768 + 1_050_939_392 * 4
+    # ... which also makes the residual stream fp32: 4 B per KV element
+    assert est["kv_cache"] == 2 * 32 * 1024 * 4 * 640 * 16
+
+
+def test_qwen_full_fine_tuning_terms():
+    run = qwen_full_run()
+    est = estimate(QWEN_1_5B, run)
+    n = 1_543_714_304
+    assert est["weights"] == est["gradients"] == est["reference"] == n * 2
+    assert est["optimizer"] == n * 4  # torch AdamW keeps m, v in the bf16 parameters' dtype
+    assert estimate(QWEN_1_5B, run, master_weights=True)["optimizer"] == n * 12  # fp32 master, m, v
+    assert estimate(QWEN_1_5B, qwen_full_run(tasks={"t": {"data": "x", "rewards": ["f"],
+                                                          "beta": 0.0}}))["reference"] == 0
+    # per token and layer: 8·1536 + 2·(2·1536 + 2·256) + 3·2·8960 + inputs of the trainable
+    # weights 2·(4·1536 + 8960) = 12,288 + 7,168 + 53,760 + 30,208 = 103,424 B
+    # head: final norm 4096·4·1536 + normed input and head input 2·1536·(4096 + 8·257)
+    assert est["activations"] == 4096 * 28 * 103_424 + 44_064_768
+    assert est["logits"] == 8 * 151_936 * (2 * 257 + 4 * 256)
+    assert est["kv_cache"] == 2 * 28 * 256 * 2 * 512 * 8  # 2 KV heads: 28 KiB per token
+    assert est["adamw_step"] == n * 2
+
+
+def test_sft_warm_up_phase():
+    # USERS.md's stage 1: SFT at ~900 tokens, batch 2 (full fine-tuning of the 1.5B here)
+    est = estimate(QWEN_1_5B, qwen_full_run(sft={"enabled": True, "batch_size": 2,
+                                                 "max_length": 900}))
+    # the same 103,424 B per token and layer as the GRPO micro-batch, over 2 × 900 tokens; the
+    # head keeps its input at every position (HF computes logits for all of them)
+    head = 1800 * 4 * 1536 + 2 * 1536 * (1800 + 2 * 900)
+    assert est["sft_activations"] == 1800 * 28 * 103_424 + head
+    # bf16 logits, their fp32 upcast in HF's loss and the fp32 log-softmax: 2 + 4 + 4 B
+    assert est["sft_logits"] == 2 * 900 * 151_936 * 10
+    assert est.phase("SFT warm-up") == est["sft_activations"] + est["sft_logits"]
+
+
+def test_ladder_shrinks_the_sft_batch_when_the_warm_up_is_the_peak():
+    run = qwen_full_run(lora={"enabled": True, "r": 16}, model__gradient_checkpointing=True,
+                        train={"micro_batch_size": 4},
+                        sft={"enabled": True, "batch_size": 16, "max_length": 1024})
+    est = estimate(QWEN_1_5B, run)
+    assert est.total == est.phase("always") + est.phase("SFT warm-up")
+    (step,) = ladder(lambda c: estimate(QWEN_1_5B, c), run, parse_size("12GiB"))
+    # halving to 8 still needs ~17.7 GiB (the fp32 logits dominate), a quarter fits
+    assert step.overrides == ["sft.batch_size=4"] and step.total <= 12 * GIB
+
+
+def test_eager_attention_adds_the_score_matrices():
+    sdpa = estimate(QWEN_1_5B, qwen_full_run())
+    eager = estimate(QWEN_1_5B, qwen_full_run(model__attn_implementation="eager"))
+    # 12 heads × 512 keys × (4 B fp32 softmax + 2 B bf16 copy) per token and layer
+    assert eager["activations"] - sdpa["activations"] == 4096 * 28 * 12 * 512 * 6
+
+
+def test_fp32_cpu_estimate_uses_fp32_and_no_cuda_context():
+    est = estimate(QWEN_1_5B, qwen_full_run(model__dtype="auto"), device="cpu")
+    assert est["weights"] == 1_543_714_304 * 4 and est["overhead"] == 0
+
+
+def test_lora_target_modules():
+    est = estimate(LLAMA_8B, users_run(lora__target_modules=["q_proj", "v_proj"]))
+    assert est["lora"] == 32 * 16 * (8192 + 5120) * 4
+    with pytest.raises(ConfigError, match="c_attn.*q_proj"):
+        estimate(LLAMA_8B, users_run(lora__target_modules=["c_attn"]))
+    with pytest.raises(ConfigError, match="load_in_4bit.*lora.enabled"):
+        estimate(LLAMA_8B, users_run(model__load_in_4bit=True, lora__enabled=False))
+
+
+def test_ladder_fits_the_users_40gb_case_and_keeps_the_batch_first():
+    gpu = parse_size("40GB")
+    run = users_run()
+    assert estimate(LLAMA_8B, run).total > gpu
+    steps = ladder(lambda c: estimate(LLAMA_8B, c), run, gpu)
+    assert steps and steps[-1].total <= gpu
+    first = steps[0].changes
+    assert first["train.micro_batch_size"] * first["train.gradient_accumulation_steps"] == 16
+    assert steps[0].overrides[0].startswith("train.micro_batch_size=")
+    assert "still 16 completions per optimizer step" in steps[0].cost
+    previous = estimate(LLAMA_8B, run).total
+    for step in steps:  # cumulative: each saving is measured from the previous total
+        assert step.saving == previous - step.total > 0
+        previous = step.total
+
+
+def test_ladder_on_a_small_gpu_climbs_further_and_keeps_valid_configs():
+    gpu = parse_size("16GB")
+    steps = ladder(lambda c: estimate(LLAMA_8B, c), users_run(), gpu)
+    changes = [s.change.split(":")[0] for s in steps]
+    assert changes[:3] == ["micro-batch down, accumulation up", "gradient checkpointing",
+                           "4-bit NF4 base weights"]
+    assert steps[-1].total <= gpu
+    # checkpointing left room for a larger micro-batch than 1
+    assert steps[0].changes["train.micro_batch_size"] > 1
+    assert ladder(lambda c: estimate(LLAMA_8B, c), users_run(), parse_size("200GB")) == []
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("24GB", 24 * 10**9), ("24GiB", 24 * 2**30), ("16g", 16 * 2**30), ("40", 40 * 2**30),
+    ("1.5 TB", 1_500_000_000_000), ("512MiB", 512 * 2**20), ("100b", 100),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_error_names_the_accepted_forms():
+    with pytest.raises(ConfigError, match=r"'lots' is not a size; write e.g. 24GB, 24GiB"):
+        parse_size("lots")
+
+
+def test_load_model_config_reads_only_config_json(tiny_model_dir: Path, tmp_path: Path):
+    config = load_model_config(str(tiny_model_dir))
+    assert config.hidden_size == 64
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="has no config.json"):
+        load_model_config(str(tmp_path / "empty"))
+
+
+def test_uncached_hub_id_says_the_planner_needs_config_json(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ModelError, match="needs only its config.json.*huggingface-cli download"):
+        load_model_config("nobody-org/not-a-cached-model")
+
+
+def write_run(tmp_path: Path, **sections) -> Path:
+    model_dir = tmp_path / "llama-8b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA_8B), encoding="utf-8")
+    data = users_run().model_dump(mode="json")
+    data["model"]["name_or_path"] = str(model_dir)
+    data.update(sections)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def test_memory_command_prints_table_and_ladder(tmp_path: Path, capsys):
+    assert main([str(write_run(tmp_path)), "--gpu-memory", "40GB"]) == 1
+    out = capsys.readouterr().out
+    assert "memory estimate: 8.03 B params" in out and "activations (training)" in out
+    assert "does not fit: 120.2 GiB > 37.3 GiB (40GB = decimal units" in out
+    assert "1. micro-batch down, accumulation up" in out
+    assert "--set train.micro_batch_size=2 --set train.gradient_accumulation_steps=8" in out
+
+
+def test_memory_command_fits_and_reports_bad_sizes(tmp_path: Path, capsys):
+    path = write_run(tmp_path)
+    assert main([str(path), "--gpu-memory", "200GiB", "--set", "train.micro_batch_size=4",
+                 "--set", "train.gradient_accumulation_steps=4"]) == 0
+    assert "fits: " in capsys.readouterr().out
+    assert main([str(path), "--gpu-memory", "huge"]) == 2
+    assert "error: memory size 'huge' is not a size" in capsys.readouterr().err
+
+
+def test_measured_peak_on_cpu():
+    reset_peak("cpu")
+    before = peak_bytes("cpu")
+    block = bytearray(64 * 2**20)  # touch 64 MiB
+    assert peak_bytes("cpu") >= before + 60 * 2**20
+    del block
