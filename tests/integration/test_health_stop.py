@@ -5,22 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import yaml
 
 from mogrpo.checkpoint import list_checkpoints
 from mogrpo.cli import main
-from mogrpo.demo import demo_base, tokenizer_corpus
-from mogrpo.modeling.tiny import build_tiny_model
+from mogrpo.demo import demo_base
 
 USER_REWARDS = Path(__file__).with_name("user_rewards.py")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-health")
-    return build_tiny_model(out / "model", tokenizer_corpus(demo_base(), 0), seed=0,
-                            hidden_size=32, num_layers=2, num_heads=2, vocab_size=300)
 
 
 def test_no_signal_stop_leaves_metrics_and_a_checkpoint(tmp_path, tiny_model, capsys):

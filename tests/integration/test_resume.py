@@ -15,20 +15,14 @@ from safetensors.torch import load_file
 
 from mogrpo.checkpoint import find_resume, list_checkpoints, save_checkpoint, verify
 from mogrpo.cli import main
-from mogrpo.demo import demo_base, tokenizer_corpus
+from mogrpo.demo import demo_base
 from mogrpo.errors import MogrpoError
-from mogrpo.modeling.tiny import build_tiny_model
 
 USER_REWARDS = Path(__file__).with_name("user_rewards.py")
 TIMING = ("time/", "throughput/")
 SECRET = "sk-test-DO-NOT-LEAK-4f1c9a"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-resume")
-    return build_tiny_model(out / "model", tokenizer_corpus(demo_base(), 0), seed=0,
-                            hidden_size=32, num_layers=2, num_heads=2, vocab_size=300)
 
 
 def write_config(path: Path, model: Path, run_dir: Path, steps: int, **sections) -> Path:
@@ -55,8 +49,10 @@ def write_config(path: Path, model: Path, run_dir: Path, steps: int, **sections)
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
+    """Per-step records without timing fields (health events excluded)."""
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING)} for m in lines]
+    return [{k: v for k, v in m.items() if not k.startswith(TIMING)}
+            for m in lines if "event" not in m]
 
 
 def train_in_subprocess(config: Path, **env) -> int:
