@@ -43,15 +43,12 @@ NOT_STATED = "Not stated"
 LETTERS = "ABCD"
 
 
-def _mc_row(question: str, options: list[str], answer: str, kind: str,
-            rng: random.Random) -> dict:
+def _mc_row(question: str, options: list[str], answer: str, kind: str) -> dict:
     row = {"question": question}
     for letter, text in zip(LETTERS, options, strict=True):
         row[f"option_{letter}"] = text
     row["correct_answer"] = LETTERS[options.index(answer)]
     row["kind"] = kind
-    # A random letter: a warm-up target that teaches the answer format but not the task.
-    row["guess"] = rng.choice(LETTERS)
     return row
 
 
@@ -69,7 +66,7 @@ def bias_probe(n: int, seed: int = 0) -> list[dict]:
             answer, kind = rng.choice([a, b]), "disambiguated"
             context += f" {answer} {evidence}."
         question = f"{context} Who {trait}?"
-        rows.append(_mc_row(question, [a, b, c, UNKNOWN], answer, kind, rng))
+        rows.append(_mc_row(question, [a, b, c, UNKNOWN], answer, kind))
     return rows
 
 
@@ -85,7 +82,7 @@ def grounded_qa(n: int, seed: int = 0) -> list[dict]:
         else:
             asked, answer, kind = "live", city, "answerable"
         question = f"{name} lives in {city}. Where does {name} {asked}?"
-        rows.append(_mc_row(question, [city, *distractors, NOT_STATED], answer, kind, rng))
+        rows.append(_mc_row(question, [city, *distractors, NOT_STATED], answer, kind))
     return rows
 
 
