@@ -19,7 +19,7 @@ from mogrpo.demo import demo_base
 from mogrpo.errors import MogrpoError
 
 USER_REWARDS = Path(__file__).with_name("user_rewards.py")
-TIMING = ("time/", "throughput/")
+TIMING = ("time/", "throughput/", "memory/")  # measurements, not math
 SECRET = "sk-test-DO-NOT-LEAK-4f1c9a"
 
 
