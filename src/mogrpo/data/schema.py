@@ -20,6 +20,7 @@ from typing import Any
 
 from mogrpo.data.readers import Record, read_records
 from mogrpo.errors import ConfigError, DataError
+from mogrpo.templates import placeholders
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,14 @@ def _render_mc(
 def _template_fields(template: str) -> list[str]:
     """Root names of the placeholders in `template`; ConfigError if it is not a format string."""
     try:
-        parsed = list(string.Formatter().parse(template))
+        fields = placeholders(template)
     except ValueError as e:
         raise ConfigError(
             f"prompt_template is not a valid format string ({e}); write literal braces as "
             "{{ and }}"
         ) from None
     roots = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        root = re.split(r"[.\[]", name, maxsplit=1)[0]
+    for name, root in fields:
         if not root or root.isdigit():
             raise ConfigError(
                 f"prompt_template has a positional placeholder {{{name}}}; use column names, "

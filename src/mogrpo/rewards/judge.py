@@ -12,8 +12,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
-import re
-import string
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -26,6 +24,7 @@ from mogrpo.rewards.judge_client import Budget, JudgeClient, Outcome, Provider
 from mogrpo.rewards.judge_options import parse_options
 from mogrpo.rewards.judge_parse import ScoreParser
 from mogrpo.rewards.judge_stats import JudgeStats
+from mogrpo.templates import placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -272,16 +271,13 @@ class JudgeReward:
 def _template_fields(template: str, where: str) -> list[str]:
     """Placeholder names in a str.format template; checks prompt/completion now, the rest later."""
     try:
-        parsed = list(string.Formatter().parse(template))
+        fields = placeholders(template)
     except ValueError as err:
         raise ConfigError(
             f"{where}.template is not a valid format string ({err}); write literal braces as "
             "{{ and }} (e.g. a JSON example: {{\"score\": 3}})") from err
     names: list[str] = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        base = re.split(r"[.\[]", name, maxsplit=1)[0]
+    for name, base in fields:
         if not base or base.isdigit():
             raise ConfigError(
                 f"{where}.template has a positional placeholder {{{name}}}; name it, e.g. "

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 import random
-import re
-from string import Formatter
 
 import torch
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
+from mogrpo.templates import placeholders
 from mogrpo.train.common import (
     MetricsWriter,
     Progress,
@@ -28,14 +27,14 @@ def sft_target(example: Example, template: str | None, task: str) -> str:
     columns = example.columns
     if template is not None:
         try:
-            fields = [f for _, f, _, _ in Formatter().parse(template) if f is not None]
+            fields = placeholders(template)
         except ValueError as e:
             raise ConfigError(
                 f"tasks.{task}.sft_target {template!r} is not a valid format string ({e}); "
                 "write literal braces as {{ and }}"
             ) from None
         # `{options[A]}` needs only its root column `options`.
-        missing = [f for f in fields if re.split(r"[.\[]", f, maxsplit=1)[0] not in columns]
+        missing = [name for name, root in fields if root not in columns]
         if missing:
             raise ConfigError(
                 f"tasks.{task}.sft_target uses {{{missing[0]}}} but {example.source} has no such "
