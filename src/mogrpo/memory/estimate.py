@@ -24,21 +24,14 @@ at a time (Korthikanti's "full recomputation", 2·s·b·h per layer in 16-bit).
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import math
 import re
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from mogrpo.config import RunConfig, derive_lengths, load_config
-from mogrpo.errors import ConfigError, ModelError, MogrpoError
-
-log = logging.getLogger(__name__)
+from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.errors import ConfigError, ModelError
 
 GIB = 2**30
 CUDA_OVERHEAD = GIB
@@ -239,7 +232,7 @@ def estimate(model_config: Mapping[str, Any] | Any, run: RunConfig, *,
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
         "gradients resident: from the 2nd micro-batch and through the next generation on "
         "(with accumulation 1, the 1st micro-batch peaks before they exist)"]
-    activations = {gc: _activations(shape, _apply(run, {"model.gradient_checkpointing": gc}), p,
+    activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, run.train.micro_batch_size, prompt + completion,
                                     completion + 1)[0] for gc in (False, True)}
     other = activations[not mc.gradient_checkpointing]
@@ -339,277 +332,10 @@ def _phase_terms(shape: ModelShape, run: RunConfig, p: int, device: str) -> list
     return terms
 
 
-@dataclass
-class Step:
-    """One rung of the ladder: a config change, applied on top of the previous ones."""
-
-    change: str
-    overrides: list[str]
-    saving: int
-    """Bytes this change saves, given the steps before it."""
-    total: int
-    """Estimated peak after this and every earlier step."""
-    cost: str
-    """What the change costs in quality or speed."""
-    changes: dict[str, Any] = field(default_factory=dict, repr=False)
-    rung: int = field(default=0, repr=False)
-
-
-def _apply(run: RunConfig, changes: Mapping[str, Any]) -> RunConfig:
+def with_changes(run: RunConfig, changes: Mapping[str, Any]) -> RunConfig:
+    """`run` with `section.key` values replaced (and validated again)."""
     data = run.model_dump()
     for dotted, value in changes.items():
         section, key = dotted.split(".")  # every ladder change is `section.key`
         data[section][key] = value
     return RunConfig.model_validate(data)
-
-
-def _set(changes: Mapping[str, Any]) -> list[str]:
-    return [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in changes.items()]
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-Rung = tuple[str, list[dict[str, Any]], str]  # what, candidate changes mildest first, cost
-
-
-def _micro_batch(run: RunConfig) -> Rung:
-    mb = run.train.micro_batch_size
-    total = mb * run.train.gradient_accumulation_steps
-    options = [{"train.micro_batch_size": d, "train.gradient_accumulation_steps": total // d}
-               for d in range(mb - 1, 0, -1) if total % d == 0]
-    return ("micro-batch down, accumulation up", options,
-            f"none in quality (still {total} completions per optimizer step); more, smaller "
-            "forward/backward passes make the update slower")
-
-
-def _checkpointing(run: RunConfig) -> Rung:
-    options = [] if run.model.gradient_checkpointing else [{"model.gradient_checkpointing": True}]
-    return ("gradient checkpointing", options,
-            "none in quality; each layer is recomputed in backward (~30 % slower update)")
-
-
-def _four_bit(run: RunConfig) -> Rung:
-    ok = run.lora.enabled and not run.model.load_in_4bit
-    return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
-            "small quality cost (QLoRA reports parity with 16-bit LoRA); slower matmuls; needs "
-            "CUDA and bitsandbytes")
-
-
-def _completions(run: RunConfig) -> Rung:
-    prompt, completion = derive_lengths(run.rollout)
-    # round to multiples of 8 (96, 64, …) as people write them
-    lengths = {c // 8 * 8 if c >= 16 else max(1, c) for c in (completion * 3 // 4, completion // 2)}
-    options = [{"rollout.length_allocation": "explicit", "rollout.max_prompt_length": prompt,
-                "rollout.max_completion_length": c}
-               for c in sorted(lengths - {completion}, reverse=True)]
-    return ("shorter completions", options,
-            "answers that need more tokens are cut and score worse: watch rollout/truncated_frac")
-
-
-def _fewer_generations(run: RunConfig) -> Rung:
-    k, mb = run.rollout.num_generations, run.train.micro_batch_size
-    prompts = run.prompts_per_step
-    options = []
-    for kk in sorted({max(2, k * 3 // 4), max(2, k // 2)} - {k}, reverse=True):
-        d = _largest_divisor(prompts * kk, mb)  # keeps every prompt's K completions in one step
-        options.append({"rollout.num_generations": kk, "train.micro_batch_size": d,
-                        "train.gradient_accumulation_steps": prompts * kk // d})
-    return ("fewer completions per prompt (K)", options,
-            "noisier group baselines and more zero-variance groups: less signal per prompt")
-
-
-def _half_quarter(n: int) -> list[int]:
-    return sorted({max(1, n // 2), max(1, n // 4)} - {n}, reverse=True)
-
-
-def _lower_rank(run: RunConfig) -> Rung:
-    lc = run.lora
-    options = [{"lora.r": r, "lora.alpha": max(1, round(lc.alpha * r / lc.r))}
-               for r in _half_quarter(lc.r)]
-    return ("lower LoRA rank", options if lc.enabled else [],
-            "less adapter capacity (alpha scaled to keep alpha/r); saves little memory")
-
-
-def _sft_batch(run: RunConfig) -> Rung:
-    options = [{"sft.batch_size": b} for b in _half_quarter(run.sft.batch_size)]
-    return ("smaller SFT warm-up batch", options if run.sft.enabled else [],
-            "noisier warm-up gradients (the SFT loop does not accumulate); consider more "
-            "sft.steps")
-
-
-RUNGS: tuple[Callable[[RunConfig], Rung], ...] = (
-    _micro_batch, _checkpointing, _sft_batch, _four_bit, _completions, _fewer_generations,
-    _lower_rank)
-"""Quality-neutral changes first (they cost only speed), then those that cost quality."""
-
-
-def ladder(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
-           gpu_bytes: int) -> list[Step]:
-    """Config changes, cheapest first and cumulative, until the estimate fits `gpu_bytes`.
-
-    Each rung takes its mildest setting that fits, else its strongest, and is skipped when it
-    saves nothing. Empty when the run already fits; the last step's `total` still exceeds the
-    GPU when all rungs together are not enough.
-    """
-    steps = _climb(estimate_fn, run, gpu_bytes, 1)
-    if not steps or steps[0].rung != 0 or steps[-1].total > gpu_bytes:
-        return steps
-    # A later rung (checkpointing) may leave room for a larger micro-batch than the first rung
-    # had to pick on its own: take the largest that fits without climbing further.
-    total = run.train.micro_batch_size * run.train.gradient_accumulation_steps
-    picked = steps[0].changes["train.micro_batch_size"]
-    for d in range(run.train.micro_batch_size - 1, picked, -1):
-        alt = _climb(estimate_fn, run, gpu_bytes, d) if total % d == 0 else []
-        if alt and alt[-1].total <= gpu_bytes and alt[-1].rung <= steps[-1].rung:
-            return alt
-    return steps
-
-
-def _climb(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
-           gpu_bytes: int, min_micro_batch: int) -> list[Step]:
-    current = estimate_fn(run).total
-    steps: list[Step] = []
-    for index, rung in enumerate(RUNGS):
-        if current <= gpu_bytes:
-            break
-        what, options, cost = rung(run)
-        options = [o for o in options if o.get("train.micro_batch_size", 1 << 30) >= min_micro_batch
-                   or rung is not _micro_batch]
-        tried = [(opt, estimate_fn(_apply(run, opt)).total) for opt in options]
-        tried = [(opt, total) for opt, total in tried if total < current]
-        if not tried:
-            continue
-        opt, total = next(((o, t) for o, t in tried if t <= gpu_bytes), tried[-1])
-        shown = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in opt.items()
-                          if k not in ("rollout.length_allocation", "rollout.max_prompt_length"))
-        steps.append(Step(f"{what}: {shown}", _set(opt), current - total, total, cost, opt, index))
-        run, current = _apply(run, opt), total
-    return steps
-
-
-_UNITS = {"": GIB, "b": 1, "k": 2**10, "m": 2**20, "g": GIB, "t": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """`24GB` = 24·10⁹ bytes; `24GiB`, `24G`, `24g` and a bare `24` = 24·2³⁰ bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(([kmgt])(i?)(b?)|b)?\s*", str(text), re.I)
-    if not match:
-        raise ConfigError(f"memory size {text!r} is not a size; write e.g. 24GB, 24GiB, 16g or "
-                          "40 (GiB)")
-    number, unit = float(match[1]), (match[3] or match[2] or "").lower()
-    decimal = bool(match[3]) and not match[4] and bool(match[5])  # "GB", not "GiB" / "G"
-    scale = 1000 ** (" kmgt".index(unit)) if decimal else _UNITS[unit]
-    return int(number * scale)
-
-
-def load_model_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """The model's config (a transformers config, or the raw dict) from config.json; offline."""
-    from transformers import AutoConfig
-
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelError(f"{path} has no config.json; the memory planner needs the model's "
-                         "config.json (pass the directory save_pretrained wrote)")
-    try:
-        return AutoConfig.from_pretrained(str(path) if path.is_dir() else name_or_path,
-                                          local_files_only=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        if path.is_dir():  # a model_type this transformers does not know: the raw dict will do
-            log.debug("AutoConfig failed (%s); reading %s/config.json directly", err, path)
-            return json.loads((path / "config.json").read_text(encoding="utf-8"))
-        raise ModelError(
-            f"model {name_or_path!r} is not a local directory and not in the Hugging Face cache; "
-            "the memory planner works offline and needs only its config.json: run "
-            f"`huggingface-cli download {name_or_path} config.json` and pass that directory "
-            "(or the config.json path) with --set model.name_or_path=PATH") from None
-
-
-def peak_bytes(device: Any) -> int:
-    """Measured peak since the last `reset_peak`: CUDA reserved memory, or the process's RSS."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.max_memory_reserved(device))
-    try:
-        status = Path("/proc/self/status").read_text(encoding="utf-8")
-    except OSError:  # not Linux: no cheap peak RSS to read
-        return 0
-    found = re.search(r"VmHWM:\s+(\d+) kB", status)
-    return int(found[1]) * 1024 if found else 0
-
-
-def reset_peak(device: Any) -> None:
-    """Start a new peak window (on Linux, writing 5 to clear_refs resets VmHWM)."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:
-            Path("/proc/self/clear_refs").write_text("5", encoding="utf-8")
-        except OSError:  # not Linux, or not allowed: the peak then covers the whole process
-            pass
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `memory CONFIG [--gpu-memory SIZE] [--set K=V ...]` to a CLI's subparsers."""
-    parser = subparsers.add_parser(
-        "memory", help="estimate a run's peak GPU memory and how to make it fit",
-        description="Estimate the peak GPU memory of a run from the model's config.json (no "
-        "weights are loaded, nothing is downloaded) and, when it exceeds --gpu-memory, list "
-        "config changes that bring it under, cheapest first. Exit status 1 when it does not fit.")
-    parser.add_argument("config", type=Path, help="YAML config file")
-    parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
-                        help="GPU memory: 24GB = 24e9 bytes, 24GiB / 24g / 24 = 24 GiB "
-                        "(default: the visible GPU's, if any)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)")
-    parser.set_defaults(handler=cmd_memory)
-    return parser
-
-
-def cmd_memory(args: argparse.Namespace) -> int:
-    """The `mogrpo memory` command: print the table and, when over budget, the ladder."""
-    import torch
-
-    config, _ = load_config(args.config, args.overrides)
-    model_config = load_model_config(config.model.name_or_path,
-                                     trust_remote_code=config.model.trust_remote_code)
-    gpu = None if args.gpu_memory is None else parse_size(args.gpu_memory)
-    if gpu is None and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_properties(0).total_memory
-    result = estimate(model_config, config)
-    print(result.table())
-    if gpu is None:
-        print("\nno GPU given or visible: pass --gpu-memory 24GB to check the fit")
-        return 0
-    if result.total <= gpu:
-        print(f"\nfits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB")
-        return 0
-    decimal = re.search(r"[kmgt]b\s*$", args.gpu_memory or "", re.I)
-    hint = f" ({args.gpu_memory} = decimal units; write GiB for binary)" if decimal else ""
-    print(f"\ndoes not fit: {result.total / GIB:.1f} GiB > {gpu / GIB:.1f} GiB{hint}. Changes, "
-          "cumulative, cheapest first:")
-    steps = ladder(lambda c: estimate(model_config, c), config, gpu)
-    for n, step in enumerate(steps, 1):
-        print(f"  {n}. {step.change} — saves {step.saving / GIB:.1f} GiB → {step.total / GIB:.1f} "
-              f"GiB\n     cost: {step.cost}\n     --set {' --set '.join(step.overrides)}")
-    if not steps or steps[-1].total > gpu:
-        print("  still too big: use a smaller model, shorter prompts, or several GPUs (FSDP)")
-    return 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run `memory` as a standalone command (what `mogrpo memory` does)."""
-    parser = argparse.ArgumentParser(prog="mogrpo")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["memory", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return cmd_memory(args)
-    except MogrpoError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2

@@ -1,0 +1,116 @@
+"""`mogrpo memory CONFIG [--gpu-memory SIZE]`: the breakdown table and, over budget, the ladder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from mogrpo.config import load_config
+from mogrpo.errors import ConfigError, ModelError, MogrpoError
+from mogrpo.memory.estimate import GIB, estimate
+from mogrpo.memory.ladder import ladder
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": GIB, "b": 1, "k": 2**10, "m": 2**20, "g": GIB, "t": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """`24GB` = 24·10⁹ bytes; `24GiB`, `24G`, `24g` and a bare `24` = 24·2³⁰ bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(([kmgt])(i?)(b?)|b)?\s*", str(text), re.I)
+    if not match:
+        raise ConfigError(f"memory size {text!r} is not a size; write e.g. 24GB, 24GiB, 16g or "
+                          "40 (GiB)")
+    number, unit = float(match[1]), (match[3] or match[2] or "").lower()
+    decimal = bool(match[3]) and not match[4] and bool(match[5])  # "GB", not "GiB" / "G"
+    scale = 1000 ** (" kmgt".index(unit)) if decimal else _UNITS[unit]
+    return int(number * scale)
+
+
+def load_model_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's config (a transformers config, or the raw dict) from config.json; offline."""
+    from transformers import AutoConfig
+
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelError(f"{path} has no config.json; the memory planner needs the model's "
+                         "config.json (pass the directory save_pretrained wrote)")
+    try:
+        return AutoConfig.from_pretrained(str(path) if path.is_dir() else name_or_path,
+                                          local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        if path.is_dir():  # a model_type this transformers does not know: the raw dict will do
+            log.debug("AutoConfig failed (%s); reading %s/config.json directly", err, path)
+            return json.loads((path / "config.json").read_text(encoding="utf-8"))
+        raise ModelError(
+            f"model {name_or_path!r} is not a local directory and not in the Hugging Face cache; "
+            "the memory planner works offline and needs only its config.json: run "
+            f"`huggingface-cli download {name_or_path} config.json` and pass that directory "
+            "(or the config.json path) with --set model.name_or_path=PATH") from None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `memory CONFIG [--gpu-memory SIZE] [--set K=V ...]` to a CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "memory", help="estimate a run's peak GPU memory and how to make it fit",
+        description="Estimate the peak GPU memory of a run from the model's config.json (no "
+        "weights are loaded, nothing is downloaded) and, when it exceeds --gpu-memory, list "
+        "config changes that bring it under, cheapest first. Exit status 1 when it does not fit.")
+    parser.add_argument("config", type=Path, help="YAML config file")
+    parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                        help="GPU memory: 24GB = 24e9 bytes, 24GiB / 24g / 24 = 24 GiB "
+                        "(default: the visible GPU's, if any)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)")
+    parser.set_defaults(handler=cmd_memory)
+    return parser
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """The `mogrpo memory` command: print the table and, when over budget, the ladder."""
+    import torch
+
+    config, _ = load_config(args.config, args.overrides)
+    model_config = load_model_config(config.model.name_or_path,
+                                     trust_remote_code=config.model.trust_remote_code)
+    gpu = None if args.gpu_memory is None else parse_size(args.gpu_memory)
+    if gpu is None and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0).total_memory
+    result = estimate(model_config, config)
+    print(result.table())
+    if gpu is None:
+        print("\nno GPU given or visible: pass --gpu-memory 24GB to check the fit")
+        return 0
+    if result.total <= gpu:
+        print(f"\nfits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB")
+        return 0
+    decimal = re.search(r"[kmgt]b\s*$", args.gpu_memory or "", re.I)
+    hint = f" ({args.gpu_memory} = decimal units; write GiB for binary)" if decimal else ""
+    print(f"\ndoes not fit: {result.total / GIB:.1f} GiB > {gpu / GIB:.1f} GiB{hint}. Changes, "
+          "cumulative, cheapest first:")
+    steps = ladder(lambda c: estimate(model_config, c), config, gpu)
+    for n, step in enumerate(steps, 1):
+        print(f"  {n}. {step.change} — saves {step.saving / GIB:.1f} GiB → {step.total / GIB:.1f} "
+              f"GiB\n     cost: {step.cost}\n     --set {' --set '.join(step.overrides)}")
+    if not steps or steps[-1].total > gpu:
+        print("  still too big: use a smaller model, shorter prompts, or several GPUs (FSDP)")
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `memory` as a standalone command (what `mogrpo memory` does)."""
+    parser = argparse.ArgumentParser(prog="mogrpo")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["memory", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return cmd_memory(args)
+    except MogrpoError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

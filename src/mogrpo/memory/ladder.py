@@ -1,0 +1,153 @@
+"""The ladder: config changes, cheapest first, that bring an estimated peak under a GPU's memory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.memory.estimate import MemoryEstimate, with_changes
+
+
+@dataclass
+class Step:
+    """One rung of the ladder: a config change, applied on top of the previous ones."""
+
+    change: str
+    overrides: list[str]
+    saving: int
+    """Bytes this change saves, given the steps before it."""
+    total: int
+    """Estimated peak after this and every earlier step."""
+    cost: str
+    """What the change costs in quality or speed."""
+    changes: dict[str, Any] = field(default_factory=dict, repr=False)
+    rung: int = field(default=0, repr=False)
+
+
+def _set(changes: Mapping[str, Any]) -> list[str]:
+    return [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in changes.items()]
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+Rung = tuple[str, list[dict[str, Any]], str]  # what, candidate changes mildest first, cost
+
+
+def _micro_batch(run: RunConfig) -> Rung:
+    mb = run.train.micro_batch_size
+    total = mb * run.train.gradient_accumulation_steps
+    options = [{"train.micro_batch_size": d, "train.gradient_accumulation_steps": total // d}
+               for d in range(mb - 1, 0, -1) if total % d == 0]
+    return ("micro-batch down, accumulation up", options,
+            f"none in quality (still {total} completions per optimizer step); more, smaller "
+            "forward/backward passes make the update slower")
+
+
+def _checkpointing(run: RunConfig) -> Rung:
+    options = [] if run.model.gradient_checkpointing else [{"model.gradient_checkpointing": True}]
+    return ("gradient checkpointing", options,
+            "none in quality; each layer is recomputed in backward (~30 % slower update)")
+
+
+def _four_bit(run: RunConfig) -> Rung:
+    ok = run.lora.enabled and not run.model.load_in_4bit
+    return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
+            "small quality cost (QLoRA reports parity with 16-bit LoRA); slower matmuls; needs "
+            "CUDA and bitsandbytes")
+
+
+def _completions(run: RunConfig) -> Rung:
+    prompt, completion = derive_lengths(run.rollout)
+    # round to multiples of 8 (96, 64, …) as people write them
+    lengths = {c // 8 * 8 if c >= 16 else max(1, c) for c in (completion * 3 // 4, completion // 2)}
+    options = [{"rollout.length_allocation": "explicit", "rollout.max_prompt_length": prompt,
+                "rollout.max_completion_length": c}
+               for c in sorted(lengths - {completion}, reverse=True)]
+    return ("shorter completions", options,
+            "answers that need more tokens are cut and score worse: watch rollout/truncated_frac")
+
+
+def _fewer_generations(run: RunConfig) -> Rung:
+    k, mb = run.rollout.num_generations, run.train.micro_batch_size
+    prompts = run.prompts_per_step
+    options = []
+    for kk in sorted({max(2, k * 3 // 4), max(2, k // 2)} - {k}, reverse=True):
+        d = _largest_divisor(prompts * kk, mb)  # keeps every prompt's K completions in one step
+        options.append({"rollout.num_generations": kk, "train.micro_batch_size": d,
+                        "train.gradient_accumulation_steps": prompts * kk // d})
+    return ("fewer completions per prompt (K)", options,
+            "noisier group baselines and more zero-variance groups: less signal per prompt")
+
+
+def _half_quarter(n: int) -> list[int]:
+    return sorted({max(1, n // 2), max(1, n // 4)} - {n}, reverse=True)
+
+
+def _lower_rank(run: RunConfig) -> Rung:
+    lc = run.lora
+    options = [{"lora.r": r, "lora.alpha": max(1, round(lc.alpha * r / lc.r))}
+               for r in _half_quarter(lc.r)]
+    return ("lower LoRA rank", options if lc.enabled else [],
+            "less adapter capacity (alpha scaled to keep alpha/r); saves little memory")
+
+
+def _sft_batch(run: RunConfig) -> Rung:
+    options = [{"sft.batch_size": b} for b in _half_quarter(run.sft.batch_size)]
+    return ("smaller SFT warm-up batch", options if run.sft.enabled else [],
+            "noisier warm-up gradients (the SFT loop does not accumulate); consider more "
+            "sft.steps")
+
+
+RUNGS: tuple[Callable[[RunConfig], Rung], ...] = (
+    _micro_batch, _checkpointing, _sft_batch, _four_bit, _completions, _fewer_generations,
+    _lower_rank)
+"""Quality-neutral changes first (they cost only speed), then those that cost quality."""
+
+
+def ladder(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
+           gpu_bytes: int) -> list[Step]:
+    """Config changes, cheapest first and cumulative, until the estimate fits `gpu_bytes`.
+
+    Each rung takes its mildest setting that fits, else its strongest, and is skipped when it
+    saves nothing. Empty when the run already fits; the last step's `total` still exceeds the
+    GPU when all rungs together are not enough.
+    """
+    steps = _climb(estimate_fn, run, gpu_bytes, 1)
+    if not steps or steps[0].rung != 0 or steps[-1].total > gpu_bytes:
+        return steps
+    # A later rung (checkpointing) may leave room for a larger micro-batch than the first rung
+    # had to pick on its own: take the largest that fits without climbing further.
+    total = run.train.micro_batch_size * run.train.gradient_accumulation_steps
+    picked = steps[0].changes["train.micro_batch_size"]
+    for d in range(run.train.micro_batch_size - 1, picked, -1):
+        alt = _climb(estimate_fn, run, gpu_bytes, d) if total % d == 0 else []
+        if alt and alt[-1].total <= gpu_bytes and alt[-1].rung <= steps[-1].rung:
+            return alt
+    return steps
+
+
+def _climb(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
+           gpu_bytes: int, min_micro_batch: int) -> list[Step]:
+    current = estimate_fn(run).total
+    steps: list[Step] = []
+    for index, rung in enumerate(RUNGS):
+        if current <= gpu_bytes:
+            break
+        what, options, cost = rung(run)
+        options = [o for o in options if o.get("train.micro_batch_size", 1 << 30) >= min_micro_batch
+                   or rung is not _micro_batch]
+        tried = [(opt, estimate_fn(with_changes(run, opt)).total) for opt in options]
+        tried = [(opt, total) for opt, total in tried if total < current]
+        if not tried:
+            continue
+        opt, total = next(((o, t) for o, t in tried if t <= gpu_bytes), tried[-1])
+        shown = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in opt.items()
+                          if k not in ("rollout.length_allocation", "rollout.max_prompt_length"))
+        steps.append(Step(f"{what}: {shown}", _set(opt), current - total, total, cost, opt, index))
+        run, current = with_changes(run, opt), total
+    return steps
