@@ -101,6 +101,10 @@ class KLControlConfig(Section):
         names = ("low", "high", "rate", "target", "horizon", "beta_min", "beta_max")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+    def kl_budget(self) -> float | None:
+        """The most KL this task is meant to reach (band: `high`, proportional: `target`)."""
+        return {"band": self.high, "proportional": self.target}.get(self.kind)
+
 
 class TaskConfig(Section):
     data: str

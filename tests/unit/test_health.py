@@ -142,6 +142,43 @@ def test_kl_explosion_above_the_ceiling():
     assert step == 5 and "KL 1.700 is above the ceiling 1 for 3 steps" in alert.message
 
 
+BUDGETS = StepContext(temperature=0.9, max_completion_length=96,
+                      kl_budgets={"fairness": 0.05, "hallucination": 0.6})
+
+
+def test_kl_rising_into_its_budget_is_not_an_explosion():
+    # a task allowed KL up to 0.4 (kl.kind: band, high: 0.4) rises from ~0.05 to 0.35: 7x
+    def rise(step, m):
+        m["task/fairness/kl"] = 0.35
+
+    allowed = StepContext(temperature=0.9, max_completion_length=96,
+                          kl_budgets={"fairness": 0.4})
+    assert fires_at(HealthMonitor(), rise, ctx=allowed) == {}
+    # the same jump in a task without a budget is an explosion
+    step, alert = only(fires_at(HealthMonitor(), rise))
+    assert step == 33 and "task fairness KL 0.350 is 6.2× its earlier median" in alert.message
+
+
+def test_kl_growth_beyond_its_budget_still_fires():
+    step, alert = only(fires_at(HealthMonitor(), lambda s, m: m.update(
+        {"task/fairness/kl": 0.318}), ctx=BUDGETS))  # 6x fairness's budget 0.05
+    assert step == 33 and "task fairness KL 0.318 is" in alert.message
+
+
+def test_a_task_budget_lifts_its_ceiling():
+    def high(step, m):
+        m["task/hallucination/kl"] = 1.5  # above 1, under 3 x 0.6
+
+    assert fires_at(HealthMonitor(), high, ctx=BUDGETS, warmup=2) == {}
+    step, alert = only(fires_at(HealthMonitor(), lambda s, m: m.update(
+        {"task/hallucination/kl": 1.9}), ctx=BUDGETS, warmup=2))
+    assert step == 5 and "KL 1.900 is above the ceiling 1.8 for 3 steps" in alert.message
+    # the fairness task (budget 0.05) keeps the default ceiling of 1
+    step, alert = only(fires_at(HealthMonitor(), lambda s, m: m.update(
+        {"task/fairness/kl": 1.2}), ctx=BUDGETS, warmup=2))
+    assert "task fairness KL 1.200 is above the ceiling 1 " in alert.message
+
+
 def test_length_collapse_to_one_token():
     fired = fires_at(HealthMonitor(), lambda s, m: m.update({"rollout/completion_length": 1.0}))
     step, alert = only(fired)

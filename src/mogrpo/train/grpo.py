@@ -91,6 +91,8 @@ class GRPOTrainer:
             temperature=self.config.rollout.temperature,
             kl_measured=reference is not None and any(t.config.beta > 0 for t in ctx.tasks),
             max_completion_length=self.config.rollout.completion_length,
+            kl_budgets={t.name: t.config.kl.kl_budget() for t in ctx.tasks
+                        if t.config.kl.kl_budget() is not None},
         )
 
     # ------------------------------------------------------------------ phases
