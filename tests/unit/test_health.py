@@ -122,8 +122,13 @@ def test_not_learning_without_kl_term_uses_the_gradient():
     assert only(fired)[0] == 40
 
 
+def raw_kl() -> HealthMonitor:
+    """KL judged step by step (smooth 1), so the patience counts from the first bad step."""
+    return HealthMonitor(HealthConfig(kl_explosion={"smooth": 1}))
+
+
 def test_kl_explosion_by_growth():
-    monitor = HealthMonitor()
+    monitor = raw_kl()
 
     def explode(step, m):  # USERS.md #2: 0.318 where 0.02–0.06 was normal
         m["task/fairness/kl"] = 0.318
@@ -137,44 +142,60 @@ def test_kl_explosion_by_growth():
 
 
 def test_kl_explosion_above_the_ceiling():
-    fired = fires_at(HealthMonitor(), lambda s, m: m.update({"kl": 1.7}), warmup=2)
+    fired = fires_at(raw_kl(), lambda s, m: m.update({"kl": 1.7}), warmup=2)
     step, alert = only(fired)
     assert step == 5 and "KL 1.700 is above the ceiling 1 for 3 steps" in alert.message
+
+
+def test_kl_explosion_judges_the_median_of_recent_steps_by_default():
+    # one step's KL comes from a few hundred sampled tokens: noisy. Isolated spikes are
+    # not an explosion ...
+    spikes = {31: 1.4, 33: 1.6, 36: 1.5, 37: 1.3, 41: 2.0}
+    assert stream(HealthMonitor(), 60, lambda s, m: m.update(
+        {"task/fairness/kl": spikes.get(s, m["task/fairness/kl"])})) == {}
+
+    # ... but a KL that stays high with an occasional low step is: judged step by step, each
+    # low step would restart the patience and the check would never fire
+    def noisy_rise(step, m):
+        m["task/fairness/kl"] = 0.05 if step % 3 == 0 else 1.5
+
+    assert fires_at(raw_kl(), noisy_rise) == {}
+    step, alert = only(fires_at(HealthMonitor(), noisy_rise))
+    assert step == 36  # medians high from step 34 (3 of the 5 steps 30-34 at 1.5)
+    assert "task fairness KL 1.500 (median of the last 5 steps) is above the ceiling 1 for 3 " \
+        "steps" in alert.message
 
 
 BUDGETS = StepContext(temperature=0.9, max_completion_length=96,
                       kl_budgets={"fairness": 0.05, "hallucination": 0.6})
 
 
-def test_kl_rising_into_its_budget_is_not_an_explosion():
-    # a task allowed KL up to 0.4 (kl.kind: band, high: 0.4) rises from ~0.05 to 0.35: 7x
+def test_kl_under_a_controller_is_judged_by_the_ceiling_only():
+    # demo seed 1: the hallucination task (band 0.3-0.6) flips its answers around step 25
+    # and KL rises from ~0.2 to ~1.1: 5x, but the band controller is steering it
     def rise(step, m):
-        m["task/fairness/kl"] = 0.35
+        m["task/hallucination/kl"] = 1.1
 
-    allowed = StepContext(temperature=0.9, max_completion_length=96,
-                          kl_budgets={"fairness": 0.4})
-    assert fires_at(HealthMonitor(), rise, ctx=allowed) == {}
-    # the same jump in a task without a budget is an explosion
-    step, alert = only(fires_at(HealthMonitor(), rise))
-    assert step == 33 and "task fairness KL 0.350 is 6.2× its earlier median" in alert.message
-
-
-def test_kl_growth_beyond_its_budget_still_fires():
-    step, alert = only(fires_at(HealthMonitor(), lambda s, m: m.update(
-        {"task/fairness/kl": 0.318}), ctx=BUDGETS))  # 6x fairness's budget 0.05
-    assert step == 33 and "task fairness KL 0.318 is" in alert.message
+    assert fires_at(raw_kl(), rise, ctx=BUDGETS) == {}
+    # the same rise in a task with a fixed beta is an explosion
+    step, alert = only(fires_at(raw_kl(), rise))
+    assert step == 33 and "task hallucination KL 1.100 is above the ceiling 1" in alert.message
+    step, alert = only(fires_at(raw_kl(), lambda s, m: m.update(
+        {"task/hallucination/kl": 0.9})))
+    assert "task hallucination KL 0.900 is" in alert.message and "× its earlier median" \
+        in alert.message
 
 
 def test_a_task_budget_lifts_its_ceiling():
     def high(step, m):
         m["task/hallucination/kl"] = 1.5  # above 1, under 3 x 0.6
 
-    assert fires_at(HealthMonitor(), high, ctx=BUDGETS, warmup=2) == {}
-    step, alert = only(fires_at(HealthMonitor(), lambda s, m: m.update(
+    assert fires_at(raw_kl(), high, ctx=BUDGETS, warmup=2) == {}
+    step, alert = only(fires_at(raw_kl(), lambda s, m: m.update(
         {"task/hallucination/kl": 1.9}), ctx=BUDGETS, warmup=2))
     assert step == 5 and "KL 1.900 is above the ceiling 1.8 for 3 steps" in alert.message
     # the fairness task (budget 0.05) keeps the default ceiling of 1
-    step, alert = only(fires_at(HealthMonitor(), lambda s, m: m.update(
+    step, alert = only(fires_at(raw_kl(), lambda s, m: m.update(
         {"task/fairness/kl": 1.2}), ctx=BUDGETS, warmup=2))
     assert "task fairness KL 1.200 is above the ceiling 1 " in alert.message
 

@@ -41,15 +41,19 @@ class KLExplosionConfig(CheckConfig):
     """Absolute KL ceiling per task (healthy runs sit around 0.02–0.3); a task whose KL
     controller steers toward a larger budget gets `budget_factor` × that budget instead."""
     growth_factor: float = Field(5.0, gt=1)
-    """Alert when KL exceeds this × its median over the earlier half of the window."""
+    """Alert when KL exceeds this × its median over the earlier half of the window (tasks
+    with a fixed β only: where a controller steers KL toward a budget, the ceiling applies)."""
     window: int = Field(20, ge=4)
     """Steps of KL history for the growth test."""
     min_kl: float = Field(0.05, ge=0)
-    """Growth only counts once KL is at least this (0.001 → 0.005 is not an explosion) and
-    above the task's KL budget (rising into a band the controller aims for is expected)."""
+    """Growth only counts once KL is at least this (0.001 → 0.005 is not an explosion)."""
     budget_factor: float = Field(3.0, gt=1)
     """A task with a KL budget (band `high`, proportional `target`) has the ceiling
     max(`ceiling`, this × budget)."""
+    smooth: int = Field(5, ge=1)
+    """The check judges the median KL of the last N steps: one step's KL, estimated from a
+    few hundred sampled tokens, is noisy, and a KL that stays high with an occasional low step
+    would otherwise restart the patience every time. 1 = judge each step's value."""
 
 
 class LengthCollapseConfig(CheckConfig):

@@ -177,18 +177,22 @@ class HealthMonitor:
             budget = (max(ctx.kl_budgets.values(), default=0.0) if key == "kl"
                       else ctx.kl_budgets.get(_task(key), 0.0))
             ceiling = max(cfg.ceiling, cfg.budget_factor * budget)
-            before = self._push(key, value, cfg.window)
+            before = self._push(key, value, max(cfg.window, cfg.smooth))
+            level = statistics.median([*before, value][-cfg.smooth:])
             full = len(before) >= cfg.window - 1
             base = statistics.median(before[: len(before) // 2]) if full else math.inf
-            growing = (full and value >= max(cfg.min_kl, budget)
-                       and value > cfg.growth_factor * base)
-            if not self._held("kl_explosion", key, value > ceiling or growing):
+            # with a budget, the controller owns KL's course: only the ceiling applies
+            growing = (not budget and full and level >= cfg.min_kl
+                       and level > cfg.growth_factor * base)
+            if not self._held("kl_explosion", key, level > ceiling or growing):
                 continue
-            how = (f"above the ceiling {ceiling:g}" if value > ceiling else
-                   f"{value / base:.1f}× its earlier median {base:.3f}")
+            how = (f"above the ceiling {ceiling:g}" if level > ceiling else
+                   f"{level / base:.1f}× its earlier median {base:.3f}")
+            n = min(cfg.smooth, len(before) + 1)
+            mean = f" (median of the last {n} steps)" if n > 1 else ""
             self._fire("kl_explosion", step, (
-                f"{'' if key == 'kl' else f'task {_task(key)} '}KL {value:.3f} is {how} for "
-                f"{cfg.patience} steps. Likely: β too small for the learning rate, an unstable "
+                f"{'' if key == 'kl' else f'task {_task(key)} '}KL {level:.3f}{mean} is {how} "
+                f"for {cfg.patience} steps. Likely: β too small for the learning rate, an unstable "
                 "KL estimator (k1/k2 or a clamped log-ratio), log-probs at another temperature "
                 "than sampling, or a reference that is not the starting model. Try: raise this "
                 "task's beta or kl.kind: band, a lower train.learning_rate, "
