@@ -225,33 +225,39 @@ def judge_options(*urls: str, names: tuple[str, ...] = ("primary", "backup", "th
 
 
 def build_seven_model(out: Path) -> Path:
-    """A tiny model that answers "7" (then ends its turn) to any prompt, by construction.
+    """A tiny model that answers "7" (then ends its turn) to any prompt: a judge reading it
+    gets 7/10."""
+    return build_constant_model(out, "7", ["the judge says 7 out of 10", "score 1 2 3 4 5 6 7 8 9"])
+
+
+def build_constant_model(out: Path, answer: str, corpus: list[str]) -> Path:
+    """A tiny model that answers the single token `answer`, then ends its turn, to any prompt.
 
     Its blocks add nothing (o_proj and down_proj are zero), so the last hidden state is the last
-    token's embedding; dimension 0 is always on and dimension 1 only after "7", and the head
-    maps (on, off) to "7" and (on, on) to the end-of-turn token. A judge reading it gets 7/10.
+    token's embedding; dimension 0 is always on and dimension 1 only after `answer`, and the
+    head maps (on, off) to `answer` and (on, on) to the end-of-turn token.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mogrpo.modeling.tiny import EOT, build_tiny_model
 
-    path = build_tiny_model(out, ["the judge says 7 out of 10", "score 1 2 3 4 5 6 7 8 9"],
-                            seed=0, hidden_size=32, num_layers=1, num_heads=2, vocab_size=300)
+    path = build_tiny_model(out, corpus, seed=0, hidden_size=32, num_layers=1, num_heads=2,
+                            vocab_size=300)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
-    seven, eot = tokenizer.convert_tokens_to_ids(["7", EOT])
+    token, eot = tokenizer.convert_tokens_to_ids([answer, EOT])
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embedding = model.get_input_embeddings().weight
         embedding[:, :2] = torch.tensor([1.0, 0.0])
-        embedding[seven, 1] = 1.0
+        embedding[token, 1] = 1.0
         model.model.norm.weight.zero_()
         model.model.norm.weight[:2] = 1.0
         head = torch.zeros_like(embedding)
-        head[seven, :2] = torch.tensor([10.0, -20.0])
+        head[token, :2] = torch.tensor([10.0, -20.0])
         head[eot, :2] = torch.tensor([5.0, 20.0])
         model.config.tie_word_embeddings = False
         model.lm_head.weight = torch.nn.Parameter(head)

@@ -117,6 +117,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.add_parser(sub)
 
+    predict = sub.add_parser(
+        "predict", help="answer a multiple-choice file and write a submission CSV",
+        description="Greedy answers of a model (a model directory, a run directory — its final "
+        "model — or a hub id) to every row of a multiple-choice TSV/CSV/JSONL file (question, "
+        "option_A, option_B, …; correct_answer optional). Writes a submission CSV (id, answer) "
+        "in input order and a details JSONL with each completion, the letter read from it and "
+        "the rule that found it; prints accuracy when the file has correct_answer.")
+    predict.add_argument("model", help="model directory, run directory or hub id")
+    predict.add_argument("data", type=Path, help="multiple-choice TSV, CSV or JSONL file")
+    predict.add_argument("--out", type=Path, default=Path("submission.csv"),
+                         help="submission CSV to write (default submission.csv)")
+    predict.add_argument("--details", type=Path, default=None,
+                         help="details JSONL (default: OUT with .details.jsonl)")
+    predict.add_argument("--config", type=Path, default=None,
+                         help="the run's config: build prompts exactly as in training")
+    predict.add_argument("--task", default=None, help="the config's task whose prompt settings "
+                         "to use (needed when it has several)")
+    predict.add_argument("--id-column", default=None,
+                         help="column with each row's id (default: `id`, else the row number)")
+    predict.add_argument("--answer-column", default="answer",
+                         help="header of the answer column (default answer)")
+    predict.add_argument("--fallback", default=None, metavar="LETTER",
+                         help="answer for completions that name no option (default: empty)")
+    predict.add_argument("--max-new-tokens", type=int, default=None,
+                         help="completion budget (default: the config's, else 64)")
+    predict.add_argument("--batch-size", type=int, default=16, help="rows per generate call")
+    predict.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    _add_set(predict)
+
     config = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     show = config_sub.add_parser(
@@ -199,6 +228,12 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from mogrpo import predict
+
+    return predict.run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from mogrpo import serve
 
@@ -228,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
-                "doctor": cmd_doctor, "serve": cmd_serve, "memory": cmd_memory}
+                "doctor": cmd_doctor, "serve": cmd_serve, "memory": cmd_memory,
+                "predict": cmd_predict}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from mogrpo.errors import ConfigError, ModelError, MogrpoError
+from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.modeling.chat import has_chat_template, render_prompt
-from mogrpo.modeling.load import load_policy
+from mogrpo.modeling.load import load_policy, resolve_model_dir
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.serve_api import RequestError, completion_response, make_handler, parse_request
 
@@ -219,22 +219,6 @@ class ChatServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
         self.batcher.stop()
-
-
-def resolve_model_dir(path: str) -> str:
-    """A model directory, also accepting a run directory (its `final/merged` or `final/model`)."""
-    root = Path(path).expanduser()
-    if (root / "config.json").is_file() or not root.is_dir():
-        return path  # a model directory, or a hub id for load_policy to resolve
-    for candidate in (root / "final" / "merged", root / "final" / "model"):
-        if (candidate / "config.json").is_file():
-            logger.info("serving %s, the final model of run %s", candidate, root)
-            return str(candidate)
-    if (root / "adapter_config.json").is_file():
-        raise ModelError(
-            f"{path} holds a LoRA adapter, not a model; serve the merged model saved beside it "
-            f"({root.parent / 'merged'})")
-    raise ModelError(f"{path} holds no config.json (nor final/merged or final/model of a run)")
 
 
 def start_server(

@@ -161,7 +161,7 @@ def test_run_directory_resolves_to_its_final_model(tmp_path, seven):
     assert resolve_model_dir(str(seven)) == str(seven)
     (run / "final" / "adapter").mkdir()
     (run / "final" / "adapter" / "adapter_config.json").write_text("{}")
-    with pytest.raises(ModelError, match="holds a LoRA adapter, not a model; serve the merged"):
+    with pytest.raises(ModelError, match="holds a LoRA adapter, not a model; use the merged"):
         resolve_model_dir(str(run / "final" / "adapter"))
 
 

@@ -82,6 +82,19 @@ def test_correct_answer_outside_options_names_file_row_and_fix():
     )
 
 
+def test_a_test_set_may_leave_the_answer_out_when_predicting():
+    without = {k: v for k, v in mc_row().items() if k != "correct_answer"}
+    rows = records(without, mc_row(correct_answer=""), mc_row(correct_answer="b"))
+    examples = parse_examples(rows, require_answer=False)
+    assert [ex.columns["correct_answer"] for ex in examples] == [None, None, "B"]
+    # an answer that is given must still be an option
+    with pytest.raises(DataError, match="row 2: column 'correct_answer' is 'E'"):
+        parse_examples(records(mc_row(correct_answer="E")), require_answer=False)
+    # training data still needs it
+    with pytest.raises(DataError, match="column 'correct_answer' is empty"):
+        parse_examples(records(mc_row(correct_answer="")))
+
+
 def test_correct_answer_that_is_not_a_letter_says_to_write_the_letter():
     with pytest.raises(DataError, match=r"row 2: column 'correct_answer' is '答案B' but the options "
                                         r"are A–D \(write just the letter, e.g. 'B'\)"):

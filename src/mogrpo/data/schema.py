@@ -7,6 +7,7 @@ available where scores are computed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -197,16 +198,19 @@ def _option_columns(rec: Record, where: str) -> dict[str, str]:
     return {letter: found[letter] for letter in letters}
 
 
-def _parse_multiple_choice(rec: Record, where: str, template: str | None) -> Example:
+def _parse_multiple_choice(rec: Record, where: str, template: str | None, *,
+                           require_answer: bool = True) -> Example:
     fmt = "multiple_choice"
     question = _required_text(rec, "question", where, fmt)
     option_columns = _option_columns(rec, where)
     options = {
         letter: _required_text(rec, column, where, fmt) for letter, column in option_columns.items()
     }
-    raw = _required(rec, "correct_answer", where, fmt)
-    answer = normalize_choice_letter(raw)
-    if answer not in options:
+    raw = rec.data.get("correct_answer")
+    if require_answer:
+        raw = _required(rec, "correct_answer", where, fmt)
+    answer = None if _is_empty(raw) else normalize_choice_letter(raw)
+    if answer not in options and not (answer is None and _is_empty(raw)):
         letters = next(iter(options)) + "–" + next(reversed(options))
         hint = " (write just the letter, e.g. 'B')" if answer is None else ""
         raise DataError(
@@ -309,11 +313,13 @@ def parse_examples(
     format: str = "auto",
     prompt_template: str | None = None,
     drop_incomplete: bool = False,
+    require_answer: bool = True,
 ) -> list[Example]:
     """Validate records and build examples in `format` (one of DATA_FORMATS).
 
     A row with an empty required field is an error naming the row and column, or, with
-    `drop_incomplete=True`, skipped (the count is logged once).
+    `drop_incomplete=True`, skipped (the count is logged once). `require_answer=False` accepts
+    multiple-choice rows without a `correct_answer` (a test set to predict); theirs is None.
     """
     if format not in DATA_FORMATS:
         raise ConfigError(f"unknown data format {format!r}; choose one of {', '.join(DATA_FORMATS)}")
@@ -330,6 +336,8 @@ def parse_examples(
             )
         _template_fields(prompt_template)  # syntax errors before any row is read
     parse = _PARSERS[fmt]
+    if fmt == "multiple_choice" and not require_answer:
+        parse = functools.partial(_parse_multiple_choice, require_answer=False)
     examples: list[Example] = []
     dropped: list[tuple[Record, str]] = []
     for rec in records:

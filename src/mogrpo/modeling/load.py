@@ -306,3 +306,19 @@ def save_model(
     tokenizer.save_pretrained(paths["merged"])
     del merged_model
     return paths
+
+
+def resolve_model_dir(path: str) -> str:
+    """A model directory, also accepting a run directory (its `final/merged` or `final/model`)."""
+    root = Path(path).expanduser()
+    if (root / "config.json").is_file() or not root.is_dir():
+        return path  # a model directory, or a hub id for load_policy to resolve
+    for candidate in (root / "final" / "merged", root / "final" / "model"):
+        if (candidate / "config.json").is_file():
+            logger.info("using %s, the final model of run %s", candidate, root)
+            return str(candidate)
+    if (root / "adapter_config.json").is_file():
+        raise ModelError(
+            f"{path} holds a LoRA adapter, not a model; use the merged model saved beside it "
+            f"({root.parent / 'merged'})")
+    raise ModelError(f"{path} holds no config.json (nor final/merged or final/model of a run)")

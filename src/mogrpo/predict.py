@@ -1,0 +1,235 @@
+"""`mogrpo predict`: greedy answers to a multiple-choice file, written as a submission CSV.
+
+The prompt is built exactly as in training when `--config` (and `--task`) name the run's
+config: the same template, system prompt and chat template. Each completion's letter is read
+by the same extractor the `mc_correct` reward uses; the submission holds one row per input row,
+in input order, and a details file keeps every completion for spot checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from mogrpo.config import TaskConfig, load_config
+from mogrpo.data.readers import read_records
+from mogrpo.data.schema import Example, parse_examples
+from mogrpo.errors import ConfigError, DataError
+from mogrpo.modeling.chat import render_prompt
+from mogrpo.rewards.extract import extract_choice
+from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prediction:
+    """One input row's greedy completion and the letter read from it."""
+
+    id: str
+    answer: str
+    """The extracted letter; empty (or the fallback) when the completion names none."""
+    rule: str | None
+    """The extractor rule that found it (`answer_marker`, `bare_letter`, …), None if none did."""
+    prompt: str
+    """The prompt text as the model saw it (chat template applied)."""
+    completion: str
+    truncated: bool
+    length: int
+    correct_answer: str | None
+    source: str
+
+    @property
+    def correct(self) -> bool | None:
+        return None if self.correct_answer is None else self.answer == self.correct_answer
+
+
+@dataclass
+class PromptSettings:
+    """How rows become prompts; from a run's config and task, or the defaults."""
+
+    format: str = "auto"
+    prompt_template: str | None = None
+    system_prompt: str | None = None
+    use_chat_template: bool | None = None
+    drop_incomplete: bool = False
+    max_prompt_length: int | None = None
+    """None: what the model's context leaves after max_new_tokens."""
+    max_new_tokens: int = 64
+
+    @classmethod
+    def from_config(cls, path: Path, task: str | None, overrides: list[str]) -> PromptSettings:
+        config, _ = load_config(path, overrides)
+        names = list(config.tasks)
+        if task is None and len(names) > 1:
+            raise ConfigError(f"{path} has tasks {', '.join(names)}; pick the one whose prompts "
+                              "to use with --task NAME")
+        name = task or names[0]
+        if name not in config.tasks:
+            raise ConfigError(f"--task {name!r} is not a task of {path}; its tasks: "
+                              f"{', '.join(names)}")
+        tc: TaskConfig = config.tasks[name]
+        return cls(tc.format, tc.prompt_template, tc.system_prompt,
+                   config.model.use_chat_template, tc.drop_incomplete,
+                   config.rollout.prompt_length, config.rollout.completion_length)
+
+
+def load_rows(data: Path, settings: PromptSettings) -> list[Example]:
+    """The rows of a multiple-choice file as examples; `correct_answer` may be absent."""
+    examples = parse_examples(read_records(data), format=settings.format,
+                              prompt_template=settings.prompt_template,
+                              drop_incomplete=settings.drop_incomplete, require_answer=False)
+    if "options" not in examples[0].columns:
+        raise DataError(f"{data}: `mogrpo predict` needs multiple-choice rows (question, "
+                        "option_A, option_B, …); this file reads as plain prompts")
+    return examples
+
+
+def row_ids(examples: list[Example], id_column: str | None) -> list[str]:
+    """Each row's id: the `id_column` value, or the row number when the file has no `id`."""
+    column = id_column or "id"
+    missing = [ex.source for ex in examples if ex.columns.get(column) in (None, "")]
+    if not missing:
+        ids = [str(ex.columns[column]) for ex in examples]
+        repeated = [i for i, n in Counter(ids).items() if n > 1]
+        if repeated:
+            raise DataError(f"column {column!r} repeats the id {repeated[0]!r}; a submission "
+                            "needs one row per id (fix the data or pick --id-column)")
+        return ids
+    if id_column is not None:
+        raise DataError(f"{missing[0]}: no value in the id column {id_column!r}; give every row "
+                        "an id or pick another --id-column")
+    log.info("no `id` column: the submission numbers the rows from 1 (use --id-column to pick one)")
+    return [ex.source.rsplit(":", 1)[-1] for ex in examples]
+
+
+def predict(model: Any, tokenizer: Any, examples: list[Example], ids: list[str],
+            settings: PromptSettings, *, batch_size: int = 16, fallback: str = "",
+            progress: bool = True) -> list[Prediction]:
+    """Greedy completions for every example, the letter of each read by the extractor."""
+    greedy = SamplingSettings(max_new_tokens=settings.max_new_tokens, greedy=True)
+    out: list[Prediction] = []
+    show = progress and sys.stderr.isatty()
+    with tqdm(total=len(examples), desc="predict", unit="row", disable=not show) as bar:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            rendered = [render_prompt(tokenizer, ex.prompt, system_prompt=settings.system_prompt,
+                                      use_chat_template=settings.use_chat_template)
+                        for ex in chunk]
+            rollout = generate_rollout(
+                model, tokenizer, [text for text, _ in rendered], greedy, num_generations=1,
+                max_prompt_length=settings.max_prompt_length,
+                add_special_tokens=rendered[0][1])
+            for i, ex in enumerate(chunk):
+                text = rollout.texts[i]
+                found = extract_choice(text, "".join(ex.columns["options"]))
+                out.append(Prediction(
+                    id=ids[start + i], answer=found.letter or fallback, rule=found.rule,
+                    prompt=rendered[i][0], completion=text, truncated=bool(rollout.truncated[i]),
+                    length=int(rollout.lengths[i]), correct_answer=ex.columns["correct_answer"],
+                    source=ex.source))
+            bar.update(len(chunk))
+    return out
+
+
+def _replace_atomically(path: Path, write: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_submission(predictions: list[Prediction], path: Path, *, id_column: str = "id",
+                     answer_column: str = "answer") -> None:
+    """`id_column,answer_column` and one row per prediction, in input order (UTF-8)."""
+    def write(f: Any) -> None:
+        writer = csv.writer(f)
+        writer.writerow([id_column, answer_column])
+        writer.writerows([p.id, p.answer] for p in predictions)
+    _replace_atomically(path, write)
+
+
+def write_details(predictions: list[Prediction], path: Path) -> None:
+    """One JSON line per row: the id, completion, letter, rule and (if known) correctness."""
+    def write(f: Any) -> None:
+        for p in predictions:
+            f.write(json.dumps({**asdict(p), "correct": p.correct}, ensure_ascii=False) + "\n")
+    _replace_atomically(path, write)
+
+
+def summarize(predictions: list[Prediction], *, fallback: str = "",
+              max_new_tokens: int | None = None) -> str:
+    """Rows, how many answers were found (by which rule), truncation and, if known, accuracy."""
+    n = len(predictions)
+    found = [p for p in predictions if p.rule is not None]
+    rules = Counter(p.rule for p in found)
+    lines = [f"{n} rows: a letter found in {len(found)} ({len(found) / n:.1%})"
+             + (f" — {', '.join(f'{r} {c}' for r, c in rules.most_common())}" if rules else "")]
+    if len(found) < n:
+        given = f"the fallback {fallback!r}" if fallback else "empty (set --fallback to fill it)"
+        lines.append(f"{n - len(found)} completion(s) name no option letter; their answer is "
+                     f"{given} — see the details file")
+    truncated = sum(p.truncated for p in predictions)
+    if truncated:
+        budget = f" {max_new_tokens}-token" if max_new_tokens else ""
+        lines.append(f"{truncated} completion(s) hit the{budget} budget before ending "
+                     "(raise --max-new-tokens if answers come late)")
+    known = [p for p in predictions if p.correct_answer is not None]
+    if known:
+        right = sum(bool(p.correct) for p in known)
+        lines.append(f"accuracy {right / len(known):.3f} ({right} of {len(known)} rows with a "
+                     "correct_answer)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `mogrpo predict` command."""
+    from mogrpo.modeling.load import load_policy, resolve_model_dir
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    fallback = (args.fallback or "").strip().upper()
+    if args.fallback is not None and (len(fallback) != 1 or not fallback.isalpha()):
+        raise ConfigError(f"--fallback {args.fallback!r} must be one option letter, e.g. A")
+    if args.config is not None:
+        settings = PromptSettings.from_config(args.config, args.task, args.overrides)
+    elif args.task is not None or args.overrides:
+        raise ConfigError("--task and --set read a run's config: pass it with --config")
+    else:
+        settings = PromptSettings()
+    if args.max_new_tokens is not None:
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+        settings.max_new_tokens = args.max_new_tokens
+
+    examples = load_rows(args.data, settings)  # data errors before a model loads
+    ids = row_ids(examples, args.id_column)
+    model, tokenizer = load_policy(resolve_model_dir(args.model), dtype=args.dtype)
+    if settings.max_prompt_length is None:
+        context = getattr(model.config, "max_position_embeddings", None) or 4096
+        settings.max_prompt_length = max(1, context - settings.max_new_tokens)
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    predictions = predict(model, tokenizer, examples, ids, settings, batch_size=args.batch_size,
+                          fallback=fallback)
+    details = args.details or args.out.with_name(args.out.stem + ".details.jsonl")
+    write_submission(predictions, args.out, id_column=args.id_column or "id",
+                     answer_column=args.answer_column)
+    write_details(predictions, details)
+    print(summarize(predictions, fallback=fallback, max_new_tokens=settings.max_new_tokens))
+    print(f"submission: {args.out}\ndetails:    {details}")
+    return 0
