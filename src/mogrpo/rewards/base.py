@@ -28,11 +28,13 @@ import torch
 
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
+from mogrpo.rewards.code import code_tests
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "mc_correct": mc_correct,
     "format": format_reward,
     "length_penalty": length_penalty,
+    "code_tests": code_tests,
 }
 _P = inspect.Parameter
 _FORMS = "a built-in name, package.module:function, or path/to/file.py:function"

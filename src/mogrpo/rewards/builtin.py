@@ -26,7 +26,7 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
-def _per_completion(value: Any, n: int, name: str) -> list[Any]:
+def per_completion(value: Any, n: int, name: str) -> list[Any]:
     """A column as one value per completion (a single value is broadcast)."""
     if hasattr(value, "tolist"):  # tensor or ndarray
         value = value.tolist()
@@ -57,8 +57,8 @@ def mc_correct(
             "mc_correct needs a 'correct_answer' column; use format 'multiple_choice' data "
             "(question, option_A, option_B, …, correct_answer) for this task"
         )
-    answers = _per_completion(correct_answer, n, "correct_answer")
-    row_options = _per_completion(options, n, "options")
+    answers = per_completion(correct_answer, n, "correct_answer")
+    row_options = per_completion(options, n, "options")
     scores: list[float | None] = []
     for completion, answer, opts in zip(completions, answers, row_options, strict=True):
         expected = normalize_choice_letter(answer)
@@ -104,6 +104,6 @@ def length_penalty(
     if completion_lengths is None:
         lengths = [len(_WORD.findall(completion_text(c))) for c in completions]
     else:
-        lengths = _per_completion(completion_lengths, len(completions), "completion_lengths")
+        lengths = per_completion(completion_lengths, len(completions), "completion_lengths")
     span = max_length - target_length
     return [max(-1.0, 0.0 - max(0.0, float(n) - target_length) / span) for n in lengths]

@@ -1,0 +1,192 @@
+"""`fn: code_tests`: run a completion's Python code against the row's tests in a subprocess.
+
+Each completion runs in its own process: a fresh temporary directory as working directory, an
+environment with nothing but PATH (no API keys reach generated code), `python -I` (no user
+site, no PYTHON* variables), CPU-time, memory and file-size limits, and a wall-clock timeout
+after which the whole process group is killed. This contains runaway loops, memory bombs and
+stray files; it is not a security boundary against deliberately hostile code (the process can
+still reach the network and read what the user can) — for that, run training in a container.
+The result line carries a per-run nonce sent over stdin, so code that prints a fake result is
+not believed, and `passed` is capped at the number of test statements counted outside.
+
+The row's `tests` column holds Python statements, typically asserts. The score is the fraction
+of test statements that pass (`partial: true`, the default) or 1.0 only when all pass. A row
+without tests scores None (left out of this objective); code that does not parse, raises at
+import, exceeds a limit or times out scores 0.0.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mogrpo.errors import RewardError
+from mogrpo.rewards.builtin import completion_text, per_completion
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.S)
+_MARK = "__MOGRPO_RESULT__"
+
+# Runs inside the sandbox: the candidate code, then each top-level test statement on its own,
+# so one failing assert does not hide the others. Prints one marked JSON line.
+_RUNNER = f"""
+import ast, json, resource, sys
+timeout, memory, size = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+nonce = sys.stdin.readline().strip()  # marks the genuine result line; never on disk or argv
+sys.stdin.close()
+for kind, value in ((resource.RLIMIT_CPU, int(timeout) + 1), (resource.RLIMIT_AS, memory),
+                    (resource.RLIMIT_FSIZE, size), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(kind, (value, value))
+code, tests = open("candidate.py", encoding="utf-8").read(), open("tests.py", encoding="utf-8").read()
+statements = ast.parse(tests).body
+namespace = {{"__name__": "__main__"}}
+passed = 0
+try:
+    exec(compile(code, "candidate.py", "exec"), namespace)
+except BaseException as err:
+    print("{_MARK}" + nonce + json.dumps({{"passed": 0, "total": len(statements), "error": type(err).__name__}}))
+    sys.exit(0)
+for statement in statements:
+    try:
+        exec(compile(ast.Module([statement], []), "tests.py", "exec"), namespace)
+        passed += 1
+    except BaseException:
+        pass
+print("{_MARK}" + nonce + json.dumps({{"passed": passed, "total": len(statements)}}))
+"""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use."""
+
+    timeout: float = 5.0
+    """Wall-clock seconds before the process group is killed."""
+    memory_mb: int = 1024
+    """Address-space limit (RLIMIT_AS)."""
+    file_size_mb: int = 16
+    """Largest file the code may write (RLIMIT_FSIZE)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.memory_mb < 64 or self.file_size_mb < 1:
+            raise RewardError(
+                f"code_tests: timeout {self.timeout}, memory_mb {self.memory_mb}, file_size_mb "
+                f"{self.file_size_mb}: need timeout > 0, memory_mb >= 64 and file_size_mb >= 1")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one completion did: tests passed of total, or why nothing ran."""
+
+    passed: int
+    total: int
+    status: str
+    """`ok`, `syntax_error`, `error:<Exception>`, `timeout` or `crashed` (a limit, a signal)."""
+
+
+def extract_code(text: str, language: str = "python") -> str:
+    """The last fenced block tagged `language` (or untagged); else the whole text."""
+    blocks = [(tag.lower(), body) for tag, body in _FENCE.findall(text)]
+    wanted = [body for tag, body in blocks if tag in ("", language, language[:2])]
+    return wanted[-1] if wanted else text
+
+
+def run_tests(code: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> RunResult:
+    """Run `code` then each statement of `tests` in a sandboxed subprocess."""
+    try:
+        compile(code, "candidate.py", "exec")
+    except (SyntaxError, ValueError):
+        return RunResult(0, _count(tests), "syntax_error")
+    with tempfile.TemporaryDirectory(prefix="mogrpo-code-") as tmp:
+        Path(tmp, "candidate.py").write_text(code, encoding="utf-8")
+        Path(tmp, "tests.py").write_text(tests, encoding="utf-8")
+        Path(tmp, "runner.py").write_text(_RUNNER, encoding="utf-8")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0"}
+        # the runner sets the limits on itself before the candidate code runs (a preexec_fn
+        # is not safe with the reward's worker threads)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "runner.py", str(limits.timeout),
+             str(limits.memory_mb * 2**20), str(limits.file_size_mb * 2**20)],
+            cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        nonce = secrets.token_hex(16)
+        try:
+            out, _ = proc.communicate(nonce + "\n", timeout=limits.timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return RunResult(0, _count(tests), "timeout")
+        finally:
+            _kill_group(proc)  # whatever the code left running in its session
+    total = _count(tests)
+    mark = _MARK + nonce
+    for line in reversed(out.splitlines()):
+        if line.startswith(mark):
+            found = json.loads(line[len(mark):])
+            status = f"error:{found['error']}" if "error" in found else "ok"
+            return RunResult(min(int(found["passed"]), total), total, status)
+    return RunResult(0, total, "crashed")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    proc.wait()
+
+
+def _count(tests: str) -> int:
+    try:
+        return len(ast.parse(tests).body)
+    except SyntaxError:
+        return 0
+
+
+def code_tests(
+    prompts: list,
+    completions: list,
+    tests: Any = None,
+    partial: bool = True,
+    language: str = "python",
+    timeout: float = 5.0,
+    memory_mb: int = 1024,
+    workers: int | None = None,
+    **_: Any,
+) -> list[float | None]:
+    """Fraction of the row's test statements the completion's code passes (see the module)."""
+    if tests is None:
+        raise RewardError("code_tests needs a 'tests' column (Python statements, e.g. asserts) "
+                          "in the task's data")
+    if language != "python":
+        raise RewardError(f"code_tests runs Python only, got language {language!r}")
+    limits = SandboxLimits(timeout=timeout, memory_mb=memory_mb)
+    row_tests: Sequence[Any] = per_completion(tests, len(completions), "tests")
+    for test in row_tests:
+        if isinstance(test, str) and test.strip() and _count(test) == 0:
+            raise RewardError(f"code_tests: a row's tests do not parse as Python: {test[:80]!r}")
+
+    def one(pair: tuple[Any, Any]) -> float | None:
+        completion, test = pair
+        if not isinstance(test, str) or not test.strip():
+            return None
+        result = run_tests(extract_code(completion_text(completion), language), test, limits)
+        if result.total == 0:
+            return None
+        if partial:
+            return result.passed / result.total
+        return 1.0 if result.passed == result.total else 0.0
+
+    pool = workers or min(4, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=pool) as executor:
+        return list(executor.map(one, zip(completions, row_tests, strict=True)))
