@@ -60,7 +60,7 @@ class LoraConfig(Section):
 
 class RewardConfig(Section):
     fn: str
-    """A built-in reward (`mc_correct`, `format`, `length_penalty`), `judge` (an LLM judge
+    """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
     over an OpenAI-compatible API, options under `kwargs`), or `package.module:function`."""
     weight: float | dict[str, Any] = 1.0
     """Weight of this objective in the advantage: a number, or a schedule
