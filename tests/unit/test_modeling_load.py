@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -176,6 +177,29 @@ def test_save_lora_round_trips(tiny_model_dir, tmp_path):
     assert isinstance(model, PeftModel) and any("lora_B" in n for n, _ in model.named_parameters())
     assert torch.equal(_logits(model, tok), expected)
     assert AutoTokenizer.from_pretrained(paths["merged"]).chat_template == tok.chat_template
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_save_in_place_merges_without_a_copy(tiny_model_dir, tmp_path, monkeypatch):
+    model, tok = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.05)
+    model.eval()
+    expected = _logits(model, tok)
+
+    deepcopy = copy.deepcopy
+
+    def no_model_copy(obj, *args):  # peft deep-copies configs while saving: those may pass
+        assert not isinstance(obj, torch.nn.Module), "in_place must not copy the model"
+        return deepcopy(obj, *args)
+
+    monkeypatch.setattr(copy, "deepcopy", no_model_copy)
+    paths = save_model(model, tok, tmp_path, in_place=True)
+    merged = AutoModelForCausalLM.from_pretrained(paths["merged"])
+    assert torch.allclose(_logits(merged, tok), expected, atol=1e-5)
+    assert (paths["adapter"] / "adapter_config.json").exists()
 
 
 def test_save_lora_adapter_only(tiny_model_dir, tmp_path):

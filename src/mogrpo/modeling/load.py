@@ -272,12 +272,14 @@ def save_model(
     out_dir: str | Path,
     *,
     merged: bool = True,
+    in_place: bool = False,
 ) -> dict[str, Path]:
     """Save for reuse with plain transformers/peft; returns {"adapter", "merged"} or {"model"} paths.
 
-    A LoRA policy saves its adapter and, with `merged`, a full model with the adapter merged in,
-    built on a copy so the training model keeps its adapters (this briefly needs a second copy of
-    the weights in memory; pass merged=False when that does not fit).
+    A LoRA policy saves its adapter and, with `merged`, a full model with the adapter merged in.
+    By default the merge happens on a copy so the model keeps its adapters (a second copy of the
+    weights in memory); `in_place=True` merges into the model itself — no extra memory, but the
+    model is a plain transformers model afterwards (for the end of a run).
     """
     out = Path(out_dir)
     paths: dict[str, Path] = {}
@@ -300,7 +302,7 @@ def save_model(
             paths["adapter"],
         )
         return paths
-    merged_model = copy.deepcopy(model).merge_and_unload()
+    merged_model = (model if in_place else copy.deepcopy(model)).merge_and_unload()
     paths["merged"] = out / "merged"
     merged_model.save_pretrained(paths["merged"])
     tokenizer.save_pretrained(paths["merged"])

@@ -195,8 +195,10 @@ def run_training(config: RunConfig, resume: str | None = None,
     summary["evals"] = quick_eval.scores
     summary["pareto"] = quick_eval.pareto.to_json()
     summary["beta_changes"] = trainer.beta_changes
+    # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
-        ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged).items()}
+        ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged,
+        in_place=True).items()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return summary
 
