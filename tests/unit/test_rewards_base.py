@@ -12,6 +12,7 @@ import torch
 from mogrpo.errors import RewardError
 from mogrpo.rewards.base import BUILTIN_REWARDS, RewardSpec, resolve_reward, score
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
+from mogrpo.rewards.code import code_tests
 
 PROMPTS = ["p"] * 4
 COMPLETIONS = ["Answer: A", "Answer: B", "答案：C", "no idea"]
@@ -117,7 +118,7 @@ def test_misaligned_column_is_a_bug_in_the_caller():
 
 def test_builtins_are_registered():
     assert BUILTIN_REWARDS == {"mc_correct": mc_correct, "format": format_reward,
-                               "length_penalty": length_penalty}
+                               "length_penalty": length_penalty, "code_tests": code_tests}
     assert resolve_reward(" format ") is format_reward
 
 
@@ -126,7 +127,7 @@ def test_unknown_builtin_suggests_and_lists():
         resolve_reward("mc_corect")
     assert str(err.value).startswith(
         "unknown reward 'mc_corect'; did you mean 'mc_correct'? built-in rewards: mc_correct, "
-        "format, length_penalty."
+        "format, length_penalty, code_tests."
     )
 
 
