@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "downloaded), runs an SFT warm-up and GRPO on two built-in multiple-choice tasks "
         "(fairness: ambiguous questions must be answered 'Cannot be determined'; "
         "hallucination: unanswerable questions must be declined), and prints greedy held-out "
-        "accuracy per task before and after GRPO. About 4 minutes on 2 CPU cores.",
+        "accuracy per task before and after GRPO. About 4.5 minutes on 2 CPU cores.",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed for model, data and training (default 0)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="directory for the model and run (default runs/demo)")
