@@ -35,6 +35,7 @@ from mogrpo.train.common import (
     build_scheduler,
     render_prompts,
 )
+from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
 from mogrpo.train.tasks import TaskMixer, judges
 
@@ -86,6 +87,7 @@ class GRPOTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.last_metrics: dict[str, float] = {}
+        self.dist = Dist.current()
         self.health = HealthMonitor(self.config.health)
         self.health_ctx = StepContext(
             temperature=self.config.rollout.temperature,
@@ -207,8 +209,9 @@ class GRPOTrainer:
         algo, ro = self.config.algorithm, batch.rollout
         policy = self.ctx.policy
         policy.train()
-        normalizer = loss_normalizer(ro.completion_mask, algo.loss_aggregation,
-                                     self.config.rollout.completion_length)
+        # the step's global normaliser: a sum over this process's rows, then over processes
+        normalizer = self.dist.sum(loss_normalizer(ro.completion_mask, algo.loss_aggregation,
+                                                   self.config.rollout.completion_length))
         seq_kl = torch.zeros(ro.batch_size)
         totals = {"loss": 0.0, "clip_tokens": 0.0, "tokens": 0, "entropy": 0.0, "grad_norm": 0.0,
                   "update_norm": 0.0}
@@ -236,6 +239,7 @@ class GRPOTrainer:
                     totals["tokens"] += out.num_tokens
                     totals["entropy"] += float(entropy[args[3].bool()].sum())
             params = [p for p in policy.parameters() if p.requires_grad]
+            self.dist.sum_gradients(params)  # the full-batch gradient in every process
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.max_grad_norm)
             if torch.isfinite(grad_norm):
                 # How far the weights moved (0 = nothing is learned). It needs a copy of the

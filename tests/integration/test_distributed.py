@@ -1,0 +1,54 @@
+"""World size 2 does the math of world size 1 (DESIGN: "tested on CPU with 2 processes").
+
+Two processes started by torchrun (gloo) split a batch unevenly (1 row and 4 rows), each in
+micro-batches; the normaliser and the gradients are summed over the processes. Every process
+must end with the full-batch gradient of a single process, for every loss aggregation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dp_worker import gradients
+
+from mogrpo.algo.loss import LOSS_AGGREGATIONS
+from mogrpo.train.distributed import Dist
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(WORKER), str(out), *LOSS_AGGREGATIONS],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_two_processes_hold_the_single_process_gradient(two_processes, aggregation):
+    single = gradients([0, 1, 2, 3, 4], Dist(), aggregation)
+    for rank in (0, 1):
+        saved = torch.load(two_processes / f"{aggregation}-rank{rank}.pt", weights_only=True)
+        assert saved["world_size"] == 2
+        for got, want in zip(saved["grads"], single, strict=True):
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), (rank, aggregation)
+
+
+def test_without_the_sum_each_process_would_hold_only_its_part(two_processes):
+    # the same shards, gradients not summed: rank 1's gradient alone differs from the total
+    part = gradients([1, 2, 3, 4], Dist(), "token_mean")
+    single = gradients([0, 1, 2, 3, 4], Dist(), "token_mean")
+    assert not all(torch.allclose(a, b) for a, b in zip(part, single, strict=True))
+
+
+def test_one_process_is_a_no_op():
+    dist = Dist.current()
+    assert (dist.rank, dist.world_size, dist.is_main) == (0, 1, True)
+    assert dist.sum(3.5) == 3.5
