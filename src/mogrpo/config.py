@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mogrpo.curriculum import CurriculumConfig
 from mogrpo.errors import ConfigError
 from mogrpo.health import HealthConfig
 
@@ -314,6 +315,8 @@ class RunConfig(Section):
     """Run directory and saved models."""
     health: HealthConfig = Field(default_factory=HealthConfig)
     """Training health checks: threshold, patience and action of each."""
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    """Stages that change the tasks' shares of the prompts as the run progresses."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -481,13 +484,17 @@ def check_unknown_keys(data: Any, model: type[BaseModel], origin: dict[str, str]
             )
             raise ConfigError(f"unknown config key `{path}`{where}; {fix}")
         annotation = fields[key].annotation
+        nested = _nested_model(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             check_unknown_keys(value, annotation, origin, path + ".")
         elif model is RunConfig and key == "tasks" and isinstance(value, Mapping):
             for name, task in value.items():
                 check_unknown_keys(task, TaskConfig, origin, f"tasks.{name}.")
-                for i, reward in enumerate((task or {}).get("rewards") or []):
-                    check_unknown_keys(reward, RewardConfig, origin, f"tasks.{name}.rewards.{i}.")
+        elif nested is not None and nested[1] == "[]." and isinstance(value, list):
+            for i, item in enumerate(value):  # rewards, curriculum stages
+                check_unknown_keys(item, nested[0], origin, f"{path}.{i}.")
+        elif nested is not None:
+            check_unknown_keys(value, nested[0], origin, path + ".")
 
 
 def _origin_of(path: str, origin: dict[str, str]) -> str:
@@ -563,6 +570,10 @@ def validate(config: RunConfig) -> None:
                     f"eval.reward = {config.eval.reward!r} is not a reward of task {name!r} "
                     f"(it has {', '.join(labels)})"
                 )
+    try:
+        config.curriculum.check_tasks({n: t.weight for n, t in config.tasks.items()})
+    except ConfigError as err:
+        errors.append(str(err))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -643,6 +654,14 @@ def to_yaml(config: RunConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
 
 
+def _nested_model(annotation: Any) -> tuple[type[BaseModel], str] | None:
+    """`list[Section]` → (Section, "[]."); `Section | None` → (Section, "."); else None."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0], "[]." if get_origin(annotation) is list else "."
+    return None
+
+
 def field_reference() -> str:
     """Markdown reference of every config field: key, type, default, meaning."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
@@ -657,8 +676,9 @@ def field_reference() -> str:
             if model is RunConfig and name == "tasks":
                 walk(TaskConfig, "tasks.NAME.")
                 continue
-            if model is TaskConfig and name == "rewards":
-                walk(RewardConfig, "tasks.NAME.rewards[].")
+            nested = _nested_model(annotation)
+            if nested is not None:  # a list of sections, or an optional section
+                walk(nested[0], key + nested[1])
                 continue
             default = "required" if info.is_required() else (
                 "{}" if info.default_factory is dict else

@@ -238,3 +238,27 @@ def test_trackers_continue_the_same_runs_after_a_kill(tmp_path, tiny_model, monk
     values = client.get_metric_history(runs[0].info.run_id, "loss")
     assert sorted(m.step for m in values) == [1, 2, 3, 4]
     assert (run / "tensorboard").is_dir()
+
+
+def test_a_curriculum_stage_survives_a_kill(tmp_path, tiny_model):
+    stages = {"stages": [
+        {"name": "fairness-first", "task_weights": {"hallucination": 0}, "until": {"steps": 2}},
+        {"name": "both"}]}
+    whole = write_config(tmp_path / "whole.yaml", tiny_model, tmp_path / "whole", 4,
+                         curriculum=stages)
+    assert main(["train", str(whole)]) == 0
+    lines = metric_lines(tmp_path / "whole")
+    assert [m["curriculum/stage"] for m in lines] == [0, 0, 1, 1]
+    # the first stage draws no hallucination prompt, the second does
+    assert ["task/hallucination/kl" in m for m in lines] == [False, False, True, True]
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["curriculum_changes"] == [
+        "[Curriculum@2] stage fairness-first -> both: 2 steps; task weights fairness 1, "
+        "hallucination 1"]
+
+    cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 4, curriculum=stages)
+    # the first hallucination reward call is in step 3, the first step of stage "both"
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="1") == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2]
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+    assert metric_lines(tmp_path / "cut") == lines

@@ -177,3 +177,16 @@ def test_load_tasks_builtin_data_is_deterministic_in_the_run_seed():
 
     assert train_questions(0) == train_questions(0)
     assert train_questions(0) != train_questions(1)
+
+
+def test_a_curriculum_weight_of_zero_is_never_drawn_and_shares_restart():
+    mixer = TaskMixer([make_task("a", 10), make_task("b", 10)], seed=0)
+    draws(mixer, 3, 3)  # leaves the round-robin credit uneven
+    mixer.set_weights([0.0, 1.0])
+    assert {t for batch in draws(mixer, 5, 4) for t, _ in batch} == {1}
+    mixer.set_weights([1.0, 3.0])
+    counts = Counter(t for t, _ in mixer.next_batch(4))
+    assert counts == {0: 1, 1: 3}  # exact shares from the first batch of the new stage
+    resumed = TaskMixer([make_task("a", 10), make_task("b", 10)], seed=0)
+    resumed.load_state_dict(json.loads(json.dumps(mixer.state_dict())))
+    assert draws(resumed, 3, 4) == draws(mixer, 3, 4)

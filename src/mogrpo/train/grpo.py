@@ -20,6 +20,7 @@ from mogrpo.algo.kl_control import make_controller
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.config import RunConfig
+from mogrpo.curriculum import Curriculum
 from mogrpo.data.schema import Example
 from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
@@ -88,6 +89,9 @@ class GRPOTrainer:
         self.skipped_updates = 0
         self.last_metrics: dict[str, float] = {}
         self.dist = Dist.current()
+        self.curriculum = Curriculum(self.config.curriculum,
+                                     {t.name: t.config.weight for t in ctx.tasks})
+        self.mixer.set_weights(self.curriculum.weights())
         self.health = HealthMonitor(self.config.health)
         self.health_ctx = StepContext(
             temperature=self.config.rollout.temperature,
@@ -357,6 +361,7 @@ class GRPOTrainer:
                 if evaluate is not None and every and self.step % every == 0 \
                         and self.step < cfg.train.max_steps:
                     metrics.update(evaluate(self.step, metrics))
+                self.next_stage(metrics)
                 writer.write(metrics)
                 self.last_metrics = metrics
                 bar.update(metrics, self.ctx.tasks)
@@ -375,6 +380,16 @@ class GRPOTrainer:
                         checkpoint(self.step)  # leave a resumable state behind
                     raise HealthStop([a for a in self.health.alerts if a.action == "stop"])
 
+    def next_stage(self, metrics: dict[str, Any]) -> None:
+        """Record the curriculum stage of this step; move on when its `until` holds."""
+        if not self.curriculum.active:
+            return
+        metrics["curriculum/stage"] = self.curriculum.index
+        line = self.curriculum.observe(self.step, metrics)
+        if line is not None:
+            log.info(line)
+            self.mixer.set_weights(self.curriculum.weights())
+
     def state_dict(self) -> dict[str, Any]:
         """The trainer's own counters and controllers (JSON-safe)."""
         return {
@@ -385,6 +400,7 @@ class GRPOTrainer:
             "kl_window": [list(w) for w in self._kl_window],
             "judges": {key: judge.state_dict() for key, judge in judges(self.ctx.tasks).items()},
             "health": self.health.state_dict(),
+            "curriculum": self.curriculum.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -396,6 +412,8 @@ class GRPOTrainer:
         self._kl_window = [list(w) for w in state["kl_window"]]
         if "health" in state:
             self.health.load_state_dict(state["health"])
+        if "curriculum" in state:
+            self.curriculum.load_state_dict(state["curriculum"])
         for key, judge in judges(self.ctx.tasks).items():
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])

@@ -195,6 +195,7 @@ def run_training(config: RunConfig, resume: str | None = None,
     summary["evals"] = quick_eval.scores
     summary["pareto"] = quick_eval.pareto.to_json()
     summary["beta_changes"] = trainer.beta_changes
+    summary["curriculum_changes"] = trainer.curriculum.changes
     # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged,

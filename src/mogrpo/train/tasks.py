@@ -103,6 +103,7 @@ class TaskMixer:
     def __init__(self, tasks: list[Task], seed: int) -> None:
         self.tasks = tasks
         self.seed = seed
+        self.weights = [t.config.weight for t in tasks]  # a curriculum stage may change them
         self.credit = [0.0] * len(tasks)  # smooth WRR credit per task
         self.epoch = [0] * len(tasks)
         self.position = [0] * len(tasks)
@@ -116,12 +117,19 @@ class TaskMixer:
     def _next_task(self) -> int:
         # Smooth weighted round-robin (as in nginx): every slot adds each task's weight to its
         # credit and picks the largest, so shares hold exactly over any window of slots.
-        weights = [t.config.weight for t in self.tasks]
+        weights = self.weights
         for i, w in enumerate(weights):
             self.credit[i] += w
-        best = max(range(len(weights)), key=lambda i: self.credit[i])
+        drawn = [i for i, w in enumerate(weights) if w > 0]  # weight 0: not drawn
+        best = max(drawn, key=lambda i: self.credit[i])
         self.credit[best] -= sum(weights)
         return best
+
+    def set_weights(self, weights: list[float]) -> None:
+        """New task shares (a curriculum stage); the round-robin starts afresh."""
+        if weights != self.weights:
+            self.weights = list(weights)
+            self.credit = [0.0] * len(self.tasks)
 
     def _next_example(self, t: int) -> Example:
         if self.position[t] >= len(self._orders[t]):
@@ -139,10 +147,11 @@ class TaskMixer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"credit": list(self.credit), "epoch": list(self.epoch),
-                "position": list(self.position)}
+                "position": list(self.position), "weights": list(self.weights)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.credit = list(state["credit"])
         self.epoch = list(state["epoch"])
         self.position = list(state["position"])
+        self.weights = list(state.get("weights", self.weights))
         self._orders = [self._order(i) for i in range(len(self.tasks))]
