@@ -13,51 +13,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
-from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: grpo_batch
+from grpo_batch import make_batch  # noqa: E402
 from mogrpo.algo.logprobs import token_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.train.distributed import Dist
 
-V, D, B, T = 11, 6, 5, 7
-LENGTHS = [7, 2, 5, 1, 4]
 SHARDS = {0: [0], 1: [1, 2, 3, 4]}  # uneven on purpose: 1 row and 4 rows
 BUDGET = 8
 
 
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D, dtype=torch.float64)
-        self.head = nn.Linear(D, V, dtype=torch.float64)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.emb(ids)))
-
-
-def setup() -> tuple[TinyLM, dict[str, torch.Tensor]]:
-    """The same model and batch in every process (seeded)."""
-    g = torch.Generator().manual_seed(0)
-    model = TinyLM()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-    inputs = torch.randint(0, V, (B, T), generator=g)
-    targets = torch.randint(0, V, (B, T), generator=g)
-    mask = (torch.arange(T) < torch.tensor(LENGTHS)[:, None]).long()
-    with torch.no_grad():
-        logp = token_logprobs(model(inputs), targets)
-    return model, {
-        "inputs": inputs, "targets": targets, "mask": mask,
-        "old_logp": logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64),
-        "ref_logp": logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64),
-        "advantages": torch.tensor([1.0, -0.7, 0.4, -1.3, 0.9], dtype=torch.float64),
-        "beta": torch.tensor([0.05, 0.2, 0.0, 0.1, 0.3], dtype=torch.float64),
-    }
-
-
 def gradients(rows: list[int], dist: Dist, aggregation: str) -> list[torch.Tensor]:
-    model, data = setup()
+    model, data = make_batch()
     idx = torch.tensor(rows)
     normalizer = dist.sum(loss_normalizer(data["mask"][idx], aggregation, BUDGET))
     for start in range(0, len(rows), 2):

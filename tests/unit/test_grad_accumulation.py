@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
+from grpo_batch import B, T, make_batch
 from mogrpo.algo.logprobs import token_logprobs
 from mogrpo.algo.loss import LOSS_AGGREGATIONS, grpo_loss, loss_normalizer
 
-V, D, B, T = 11, 6, 5, 7
-LENGTHS = [7, 2, 5, 1, 4]  # different lengths, so per-sequence and per-token means differ
 SPLITS = {
     "ones": [[0], [1], [2], [3], [4]],
     "twos": [[0, 1], [2, 3], [4]],
@@ -23,38 +21,9 @@ SPLITS = {
 }
 
 
-class TinyLM(nn.Module):
-    """Logits for position t from the token at t (no mixing across rows), in float64."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D, dtype=torch.float64)
-        self.head = nn.Linear(D, V, dtype=torch.float64)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.emb(ids)))  # [B, T, V]
-
-
 @pytest.fixture(scope="module")
 def setup():
-    g = torch.Generator().manual_seed(0)
-    model = TinyLM()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-    inputs = torch.randint(0, V, (B, T), generator=g)
-    targets = torch.randint(0, V, (B, T), generator=g)
-    mask = (torch.arange(T) < torch.tensor(LENGTHS)[:, None]).long()  # [B, T]
-    with torch.no_grad():
-        logp = token_logprobs(model(inputs), targets)
-    # Rollout-time and reference log-probs away from the current ones, so ratios leave the
-    # clip band on both sides and the KL term is non-trivial.
-    old_logp = logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    ref_logp = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    advantages = torch.tensor([1.0, -0.7, 0.4, -1.3, 0.9], dtype=torch.float64)
-    beta = torch.tensor([0.05, 0.2, 0.0, 0.1, 0.3], dtype=torch.float64)  # per task
-    return model, dict(inputs=inputs, targets=targets, mask=mask, old_logp=old_logp,
-                       ref_logp=ref_logp, advantages=advantages, beta=beta)
+    return make_batch()
 
 
 def _micro_loss(model, data, rows, aggregation, normalizer):
