@@ -1,8 +1,9 @@
 """The run configuration: typed sections, layered sources, validation before any model loads.
 
 Priority (highest wins): ``--set section.key=value`` > environment ``MOGRPO_SECTION__KEY`` >
-the YAML file > the defaults below. Every field carries its documentation in the docstring
-right under it; ``mogrpo config show`` prints where each resolved value came from.
+the YAML file > the section defaults (`mogrpo.sections`, re-exported here). Every field
+carries its documentation in the docstring right under it; ``mogrpo config show`` prints
+where each resolved value came from.
 """
 
 from __future__ import annotations
@@ -14,335 +15,36 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
-from mogrpo.curriculum import CurriculumConfig
 from mogrpo.errors import ConfigError
-from mogrpo.health import HealthConfig
+from mogrpo.sections import (
+    AlgorithmConfig,
+    EvalConfig,
+    KLControlConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    OutputConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    Section,
+    SFTConfig,
+    TaskConfig,
+    TrainConfig,
+    derive_lengths,
+)
 
 ENV_PREFIX = "MOGRPO_"
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
-
-class ModelConfig(Section):
-    name_or_path: str | None = None
-    """Hugging Face causal LM: a local directory or a hub id (required)."""
-    tokenizer: str | None = None
-    """Tokenizer path or hub id when it differs from the model's."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight dtype; `auto` is float32 on CPU and bfloat16 (or float16) on GPU."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory, ~30 % slower steps."""
-    attn_implementation: str | None = None
-    """Attention kernel passed to transformers (`eager`, `sdpa`, `flash_attention_2`)."""
-    trust_remote_code: bool = False
-    """Allow model code from the hub repository to run (only for models you trust)."""
-    load_in_4bit: bool = False
-    """Load weights in 4-bit NF4 via bitsandbytes (CUDA only; `pip install mogrpo[gpu]`)."""
-    use_chat_template: bool | None = None
-    """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
-
-
-class LoraConfig(Section):
-    enabled: bool = False
-    """Train LoRA adapters instead of all weights; the reference is then the adapter-free base."""
-    r: int = Field(8, ge=1)
-    """LoRA rank."""
-    alpha: int = Field(16, ge=1)
-    """LoRA scaling numerator (the update is scaled by alpha / r)."""
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    """Dropout on the LoRA branch."""
-    target_modules: list[str] | str = "all-linear"
-    """Module names to adapt, e.g. [q_proj, k_proj, v_proj, o_proj], or `all-linear`."""
-
-
-class RewardConfig(Section):
-    fn: str
-    """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
-    over an OpenAI-compatible API, options under `kwargs`), or `package.module:function`."""
-    weight: float | dict[str, Any] = 1.0
-    """Weight of this objective in the advantage: a number, or a schedule
-    `{kind: linear, start: 0.0, end: 1.0, start_step: 0, end_step: 100}`."""
-    name: str | None = None
-    """Name used in metrics; defaults to the function's name."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments passed to the function on every call."""
-
-    @property
-    def label(self) -> str:
-        return self.name or self.fn.rsplit(":", 1)[-1]
-
-
-class KLControlConfig(Section):
-    kind: Literal["fixed", "band", "proportional"] = "fixed"
-    """How this task's β moves: `fixed`; `band` (KL below `low` → β × (1 − rate), above
-    `high` → β × (1 + rate)); `proportional` (Ziegler et al. 2019, toward `target`)."""
-    low: float | None = None
-    """band: lower edge of the healthy KL range (e.g. 0.02)."""
-    high: float | None = None
-    """band: upper edge of the healthy KL range (e.g. 0.06)."""
-    rate: float | None = None
-    """band: relative change of β per adjustment (default 0.15)."""
-    target: float | None = None
-    """proportional: the KL to steer toward."""
-    horizon: int | None = None
-    """proportional: samples over which β may change by ±20 % (default 10000)."""
-    beta_min: float | None = None
-    """Smallest β the controller may set (default 1e-4)."""
-    beta_max: float | None = None
-    """Largest β the controller may set (default 10)."""
-    every_steps: int = Field(1, ge=1)
-    """Adjust β every N steps, on the mean KL of those N steps."""
-
-    def options(self) -> dict[str, Any]:
-        """The controller's options that are set (the rest keep the controller's defaults)."""
-        names = ("low", "high", "rate", "target", "horizon", "beta_min", "beta_max")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-
-    def kl_budget(self) -> float | None:
-        """The most KL this task is meant to reach (band: `high`, proportional: `target`)."""
-        return {"band": self.high, "proportional": self.target}.get(self.kind)
-
-
-class TaskConfig(Section):
-    data: str
-    """Prompt data: a JSONL/CSV/TSV file, or `builtin:NAME` for a built-in synthetic task."""
-    eval_data: str | None = None
-    """Held-out prompts for the greedy evaluation; default: `eval_size` rows split off `data`."""
-    eval_size: int = Field(0, ge=0)
-    """Rows split off `data` for evaluation when `eval_data` is not given (0 = no eval)."""
-    format: Literal["auto", "prompt", "chat", "multiple_choice"] = "auto"
-    """Row schema; `auto` detects multiple-choice, chat `messages` or `prompt` rows."""
-    prompt_template: str | None = None
-    """Multiple-choice prompt template with `{question}`, `{options}` and any column."""
-    system_prompt: str | None = None
-    """System message prepended when the chat template is used."""
-    drop_incomplete: bool = False
-    """Skip rows with empty required fields (counted and logged) instead of failing."""
-    rewards: list[RewardConfig] = Field(default_factory=list)
-    """Reward functions of this task; each is one objective."""
-    weight: float = Field(1.0, gt=0)
-    """This task's share of the prompts (relative to the other tasks); exact over any run of
-    steps whose prompts add up to a multiple of the summed weights."""
-    beta: float = Field(0.04, ge=0)
-    """KL coefficient toward the reference model for this task (0 = no KL term); the
-    starting value when `kl.kind` adapts it."""
-    kl: KLControlConfig = Field(default_factory=KLControlConfig)
-    """How β adapts to this task's measured KL."""
-    sft_target: str | None = None
-    """SFT warm-up target template over the row's columns; default: the first non-empty
-    text column of `completion`, `response`, `answer`, else `Answer: {correct_answer}`."""
-
-    @field_validator("rewards", mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        # `rewards: [mc_correct, format]` is shorthand for `[{fn: mc_correct}, {fn: format}]`.
-        if isinstance(value, list):
-            return [{"fn": v} if isinstance(v, str) else v for v in value]
-        return value
-
-
-class RolloutConfig(Section):
-    num_generations: int = 4
-    """K: completions sampled per prompt (the group of group-relative advantages); ≥ 2."""
-    max_seq_length: int = Field(512, ge=2)
-    """Token budget for prompt + completion."""
-    length_allocation: Literal["explicit", "balanced", "prompt_heavy", "completion_heavy"] = (
-        "explicit"
-    )
-    """How prompt and completion lengths are derived from `max_seq_length`: `explicit` uses
-    the two lengths below (a missing one gets the remainder); `balanced` splits 50/50,
-    `prompt_heavy` 75/25, `completion_heavy` 25/75."""
-    max_prompt_length: int | None = Field(None, ge=1)
-    """Prompt tokens kept (longer prompts are cut from the left)."""
-    max_completion_length: int | None = Field(None, ge=1)
-    """Maximum new tokens per completion (a completion that reaches it is `truncated`)."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; log-probs are computed at the same temperature."""
-    top_k: int = Field(0, ge=0)
-    """Keep the k most likely tokens (0 = off)."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1.0 = off)."""
-    min_p: float = Field(0.0, ge=0, lt=1)
-    """Drop tokens below min_p × the top probability (0 = off)."""
-    presence_penalty: float = 0.0
-    """Subtract this from the logit of every token already generated (OpenAI semantics)."""
-    frequency_penalty: float = 0.0
-    """Subtract this × the count of each token already generated."""
-    stop_token_ids: list[int] = Field(default_factory=list)
-    """Token ids that end a completion (e.g. [128001, 128009]); default: the model's EOS."""
-
-    @property
-    def prompt_length(self) -> int:
-        return derive_lengths(self)[0]
-
-    @property
-    def completion_length(self) -> int:
-        return derive_lengths(self)[1]
-
-
-class AlgorithmConfig(Section):
-    advantage_combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """Combine objectives before group normalisation, or normalise each first (MO-GRPO)."""
-    advantage_scaling: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
-    epsilon_low: float = Field(0.2, ge=0, lt=1)
-    """Lower clip range of the importance ratio (1 - ε_low)."""
-    epsilon_high: float = Field(0.2, ge=0)
-    """Upper clip range (1 + ε_high); DAPO's clip-higher uses 0.28."""
-    num_iterations: int = Field(1, ge=1)
-    """μ: optimisation passes over each rollout batch."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator from Schulman (2020); k3 is unbiased and always ≥ 0."""
-    kl_importance_weight: bool = False
-    """Weight the KL estimate by the importance ratio when μ > 1 (off-policy correction)."""
-    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length"] = "seq_mean"
-    """Per-sequence mean (GRPO), per-token over the batch (DAPO), or fixed length (Dr. GRPO)."""
-    dynamic_sampling: bool = False
-    """Drop groups whose combined rewards are all equal — they carry no signal (DAPO)."""
-    max_refill_rounds: int = Field(0, ge=0)
-    """With dynamic sampling, extra rollout rounds per step to refill the dropped groups."""
-
-
-class TrainConfig(Section):
-    max_steps: int = Field(100, ge=1)
-    """Optimizer steps of GRPO."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Completions per forward/backward pass (what memory depends on)."""
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    """Micro-batches per optimizer step; gradients are summed, never overwritten."""
-    learning_rate: float = Field(1e-5, gt=0)
-    """Peak AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
-    warmup_steps: int = Field(0, ge=0)
-    """Steps of linear learning-rate warm-up."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Clip the global gradient norm to this value."""
-
-
-class SFTConfig(Section):
-    enabled: bool = False
-    """Run a supervised warm-up on the tasks' targets before GRPO."""
-    steps: int = Field(100, ge=1)
-    """Optimizer steps of the warm-up."""
-    batch_size: int = Field(8, ge=1)
-    """Examples per warm-up step."""
-    max_length: int = Field(256, ge=2)
-    """Token limit of prompt + target in the warm-up."""
-    learning_rate: float = Field(1e-4, gt=0)
-    """Warm-up learning rate (constant after a short linear warm-up)."""
-    max_examples: int | None = Field(None, ge=1)
-    """Use at most this many examples per task for the warm-up."""
-
-
-class EvalConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Greedy evaluation every N GRPO steps (0 = only before and after GRPO)."""
-    max_samples: int = Field(64, ge=1)
-    """Held-out prompts evaluated per task."""
-    at_start: bool = True
-    """Evaluate before GRPO starts (the baseline the run is compared with)."""
-    reward: str | None = None
-    """Reward label scored as the task's eval score; default: the task's first reward."""
-    print_samples: int = Field(0, ge=0)
-    """Print this many greedy completions per task at each eval."""
-
-
-class LoggingConfig(Section):
-    log_every: int = Field(1, ge=1)
-    """Print a metrics line every N steps (the JSONL file gets every step)."""
-    progress_bar: bool = True
-    """Show a progress bar (off automatically when output is not a terminal)."""
-    level: Literal["debug", "info", "warning"] = "info"
-    """Console log level."""
-    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
-    """Also send metrics to these trackers (`pip install 'mogrpo[trackers]'`); the JSONL file
-    is always written. W&B honours WANDB_MODE (e.g. offline) and WANDB_API_KEY."""
-    project: str = "mogrpo"
-    """W&B project / MLflow experiment name."""
-    run_name: str | None = None
-    """Tracker run name; default: the name of output.dir."""
-    mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI; default: a local file store, RUN_DIR/mlruns."""
-
-
-class OutputConfig(Section):
-    dir: str = "runs/mogrpo"
-    """Run directory: metrics.jsonl, config.yaml and the final model go here."""
-    overwrite: bool = False
-    """Allow writing into a run directory that already holds a run (it is replaced)."""
-    save_every: int = Field(0, ge=0)
-    """Save a checkpoint every N GRPO steps (0 = only at the end); resume with --resume."""
-    keep_last: int = Field(3, ge=0)
-    """Checkpoints kept besides the best per task and the Pareto set (0 = keep all)."""
-    save_merged: bool = True
-    """For LoRA runs, also save a merged full model next to the adapter (loads with plain
-    transformers); full fine-tuning always saves the full model."""
-
-
-class RunConfig(Section):
-    seed: int = 0
-    """Seed for Python, NumPy and torch."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to train; `auto` picks CUDA when available."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    """The policy model."""
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    """LoRA adapters."""
-    tasks: dict[str, TaskConfig] = Field(default_factory=dict)
-    """Tasks by name; each has its own data, rewards, batch share and β."""
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    """Sampling and lengths."""
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    """GRPO math."""
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    """Optimisation."""
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    """Supervised warm-up."""
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    """Greedy quick-eval."""
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    """Console output."""
-    output: OutputConfig = Field(default_factory=OutputConfig)
-    """Run directory and saved models."""
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    """Training health checks: threshold, patience and action of each."""
-    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
-    """Stages that change the tasks' shares of the prompts as the run progresses."""
-
-    @property
-    def prompts_per_step(self) -> int:
-        """Prompts sampled per optimizer step (validated to be a whole number)."""
-        completions = self.train.micro_batch_size * self.train.gradient_accumulation_steps
-        return completions // self.rollout.num_generations
-
-
-_SPLITS = {"balanced": 0.5, "prompt_heavy": 0.75, "completion_heavy": 0.25}
-
-
-def derive_lengths(rollout: RolloutConfig) -> tuple[int, int]:
-    """(max_prompt_length, max_completion_length) after the length allocation strategy."""
-    total = rollout.max_seq_length
-    if rollout.length_allocation == "explicit":
-        prompt, completion = rollout.max_prompt_length, rollout.max_completion_length
-        if prompt is None and completion is None:
-            prompt = round(total * _SPLITS["balanced"])
-            completion = total - prompt
-        elif prompt is None:
-            prompt = total - completion
-        elif completion is None:
-            completion = total - prompt
-        return prompt, completion
-    prompt = round(total * _SPLITS[rollout.length_allocation])
-    return prompt, total - prompt
+__all__ = [  # the sections (from mogrpo.sections) and the loading API
+    "AlgorithmConfig", "EvalConfig", "KLControlConfig", "LoggingConfig", "LoraConfig",
+    "ModelConfig", "OutputConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig",
+    "Section", "TaskConfig", "TrainConfig", "ENV_PREFIX", "Sourced", "check_unknown_keys",
+    "derive_lengths", "describe", "env_overrides", "field_reference", "flatten", "load_config",
+    "parse_set", "parse_value", "read_yaml", "to_yaml", "validate",
+]
 
 
 # ----------------------------------------------------------------------------- sources

@@ -10,7 +10,7 @@ Action = Literal["warn", "stop"]
 
 
 class _Section(BaseModel):
-    # the same rules as mogrpo.config sections (not imported: config.py will import this module)
+    # the same rules as mogrpo.sections.Section (not imported: sections.py imports this module)
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
