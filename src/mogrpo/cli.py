@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.add_parser(sub)
 
+    from mogrpo import report
+
+    report.add_parser(sub)
+
     predict = sub.add_parser(
         "predict", help="answer a multiple-choice file and write a submission CSV",
         description="Greedy answers of a model (a model directory, a run directory — its final "
@@ -234,6 +238,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return predict.run(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from mogrpo.report import cmd_report as run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from mogrpo import serve
 
@@ -264,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
                 "doctor": cmd_doctor, "serve": cmd_serve, "memory": cmd_memory,
-                "predict": cmd_predict}
+                "predict": cmd_predict, "report": cmd_report}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command

@@ -99,6 +99,13 @@ def test_quick_eval_lines_match_the_metrics_and_pareto_file(tmp_path, tiny_model
         mine = scores[point["step"]]
         assert (point["scores"]["fairness"], point["scores"]["hallucination"]) == mine
         assert not any(o[0] >= mine[0] and o[1] >= mine[1] and o != mine for o in scores.values())
+    # the run's report.md shows the same evals
+    report = (rundir / "report.md").read_text()
+    assert report.startswith("# Run report: run\n\nfinished: 5 of 5 steps")
+    for e in evals:
+        row = (f"| {e['tag']} | {e['step']} | {e['fairness']['score']:.3f} | "
+               f"{e['hallucination']['score']:.3f} |")
+        assert row in report
 
 
 def test_dynamic_sampling_drops_constant_reward_groups(tmp_path, tiny_model):

@@ -35,6 +35,7 @@ from mogrpo.modeling.load import (
     trainable_parameters,
 )
 from mogrpo.modeling.reference import make_reference
+from mogrpo.report import build_report
 from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.tracking import Trackers
@@ -201,6 +202,7 @@ def run_training(config: RunConfig, resume: str | None = None,
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged,
         in_place=True).items()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (run_dir / "report.md").write_text(build_report(run_dir), encoding="utf-8")
     return summary
 
 

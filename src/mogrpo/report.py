@@ -1,0 +1,219 @@
+"""`mogrpo report RUN_DIR`: one Markdown page on what a run did, from the files it wrote.
+
+It reads only the run directory (config.yaml, metrics.jsonl, eval.jsonl, pareto.json,
+summary.json), so it works on a finished run, a run still going, or one that crashed — and
+every run writes it at the end as `report.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mogrpo.errors import MogrpoError
+
+
+class ReportError(MogrpoError):
+    """The directory is not a run directory (or its files are unreadable)."""
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash: the rest still reports
+    return rows
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _fmt(value: float, digits: int = 3) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else f"{value:.{digits}f}"
+
+
+class RunFiles:
+    """What a run directory holds, read once."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise ReportError(f"{run_dir} has no metrics.jsonl; give a run directory (the "
+                              "output.dir of a `mogrpo train` run)")
+        records = _jsonl(run_dir / "metrics.jsonl")
+        self.steps = [r for r in records if "event" not in r and "step" in r]
+        self.events = [r for r in records if "event" in r]
+        self.evals = _jsonl(run_dir / "eval.jsonl")
+        config_path = run_dir / "config.yaml"
+        self.config = yaml.safe_load(config_path.read_text(encoding="utf-8")) \
+            if config_path.is_file() else {}
+        self.summary = self._json("summary.json")
+        self.pareto = self._json("pareto.json")
+        self.tasks = list((self.config.get("tasks") or {}).keys()) or sorted(
+            {k.split("/")[1] for r in self.steps for k in r if k.startswith("task/")})
+
+    def _json(self, name: str) -> dict[str, Any]:
+        path = self.dir / name
+        try:
+            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except json.JSONDecodeError:
+            return {}
+
+    def series(self, key: str) -> list[float]:
+        return [r[key] for r in self.steps if key in r]
+
+
+def _status(run: RunFiles) -> str:
+    last = run.steps[-1]["step"] if run.steps else 0
+    planned = (run.config.get("train") or {}).get("max_steps")
+    of = f" of {planned}" if planned else ""
+    if run.summary.get("saved"):
+        return f"finished: {last}{of} steps"
+    if run.summary:  # written without a final model: a `stop` health check ended the run
+        return f"stopped by the health monitor at step {last}{of}"
+    return f"not finished: metrics up to step {last}{of} (no summary.json yet)"
+
+
+def _setup(run: RunFiles) -> list[str]:
+    cfg = run.config
+    if not cfg:
+        return ["(no config.yaml in the run directory)"]
+    model, lora, train = cfg.get("model") or {}, cfg.get("lora") or {}, cfg.get("train") or {}
+    rollout = cfg.get("rollout") or {}
+    how = f"LoRA r {lora.get('r')}" if lora.get("enabled") else "full fine-tuning"
+    per_step = (train.get("micro_batch_size", 0) * train.get("gradient_accumulation_steps", 1))
+    lines = [f"- model `{model.get('name_or_path')}`, {how}, lr {train.get('learning_rate')}, "
+             f"K {rollout.get('num_generations')}, {per_step} completions per step"]
+    for name, task in (cfg.get("tasks") or {}).items():
+        rewards = ", ".join(f"{r.get('name') or r['fn']} ×{r.get('weight', 1.0)}"
+                            for r in task.get("rewards") or [])
+        kl = task.get("kl") or {}
+        control = kl.get("kind", "fixed")
+        if control == "band":
+            control += f" {kl.get('low')}–{kl.get('high')}"
+        elif control == "proportional":
+            control += f" → {kl.get('target')}"
+        lines.append(f"- task **{name}** (`{task.get('data')}`): rewards {rewards}; "
+                     f"β {task.get('beta')} ({control})")
+    return lines
+
+
+def _evals(run: RunFiles) -> list[str]:
+    if not run.evals:
+        return ["No greedy evaluation was run (`eval.every_steps`, `tasks.NAME.eval_size`)."]
+    head = "| eval | step | " + " | ".join(run.tasks) + " |"
+    lines = [head, "|---" * (2 + len(run.tasks)) + "|"]
+    for e in run.evals:
+        cells = [_fmt((e.get(t) or {}).get("score", math.nan)) for t in run.tasks]
+        lines.append(f"| {e.get('tag')} | {e.get('step')} | " + " | ".join(cells) + " |")
+    front = [p["step"] for p in (run.pareto.get("front") or [])]
+    if front:
+        lines += ["", f"Pareto front (no evaluated step beats these on every task): steps "
+                  f"{', '.join(map(str, front))}."]
+    return lines
+
+
+def _signals(run: RunFiles, window: int) -> list[str]:
+    n = len(run.steps)
+    w = max(1, min(window, n // 2 or 1))
+    first, last = run.steps[:w], run.steps[-w:]
+
+    def both(key: str, digits: int = 3) -> str:
+        a = _mean([r[key] for r in first if key in r])
+        b = _mean([r[key] for r in last if key in r])
+        return f"{_fmt(a, digits)} → {_fmt(b, digits)}"
+
+    lines = [f"Means over the first and the last {w} steps.", "",
+             "| task | reward | KL | β | zero-variance groups |", "|---|---|---|---|---|"]
+    for t in run.tasks:
+        lines.append(f"| {t} | {both(f'task/{t}/reward/mean')} | {both(f'task/{t}/kl')} | "
+                     f"{both(f'task/{t}/beta', 4)} | {both(f'task/{t}/zero_var_frac', 2)} |")
+    objectives = sorted({k for r in run.steps for k in r
+                         if k.startswith("task/") and k.endswith("/mean") and k.count("/") == 4})
+    if objectives:
+        lines += ["", "| objective | mean |", "|---|---|"]
+        lines += [f"| {k[len('task/'):-len('/mean')]} | {both(k)} |" for k in objectives]
+    truncated = run.series("rollout/truncated_frac")
+    lines += ["", f"Completion length {both('rollout/completion_length', 1)} tokens; truncated "
+              f"{_fmt(100 * _mean(truncated), 1)} % on average, at most "
+              f"{_fmt(100 * max(truncated, default=math.nan), 1)} % in a step."]
+    return lines
+
+
+def _events(run: RunFiles) -> list[str]:
+    alerts = [e for e in run.events if e.get("event") == "health_alert"]
+    lines = [f"- {a.get('message')}" for a in alerts] or ["No health alert."]
+    changes = run.summary.get("beta_changes") or []
+    if changes:
+        lines += ["", f"{len(changes)} β change(s); the last: `{changes[-1]}`"]
+    stages = run.summary.get("curriculum_changes") or []
+    lines += [f"- `{line}`" for line in stages]
+    return lines
+
+
+def _speed(run: RunFiles) -> list[str]:
+    step = _mean(run.series("time/step_s"))
+    if math.isnan(step):
+        return ["No timing recorded."]
+    parts = {name: _mean(run.series(f"time/{name}_s")) for name in ("rollout", "reward", "update")}
+    split = ", ".join(f"{name} {100 * v / step:.0f} %" for name, v in parts.items()
+                      if not math.isnan(v))
+    lines = [f"{step:.2f} s per step ({split}); "
+             f"{_mean(run.series('throughput/completion_tokens_per_s')):.0f} completion tokens/s "
+             "while sampling."]
+    peak = max(run.series("memory/peak_gib"), default=math.nan)
+    estimate = run.summary.get("memory_estimate_gib")
+    if not math.isnan(peak):
+        vs = f" (the planner estimated {estimate:.2f} GiB)" if estimate else ""
+        lines.append(f"Peak memory {peak:.2f} GiB{vs}.")
+    return lines
+
+
+def build_report(run_dir: str | Path, window: int = 10) -> str:
+    """The Markdown report of the run in `run_dir`."""
+    run = RunFiles(Path(run_dir))
+    sections = [
+        (f"# Run report: {run.dir.name}", [_status(run)]),
+        ("## Setup", _setup(run)),
+        ("## Greedy evaluation", _evals(run)),
+        ("## Training signals", _signals(run, window) if run.steps else ["No steps yet."]),
+        ("## Health, KL control, curriculum", _events(run)),
+        ("## Speed and memory", _speed(run)),
+    ]
+    return "\n\n".join(f"{title}\n\n" + "\n".join(body) for title, body in sections) + "\n"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `report RUN_DIR [--out FILE] [--window N]`."""
+    parser = subparsers.add_parser(
+        "report", help="a Markdown report of a run: evals, rewards, KL, alerts, speed",
+        description="Summarise a run directory (finished, running or crashed) as Markdown: "
+        "setup, greedy evals and the Pareto front, reward/KL/β per task at the start and the "
+        "end, health alerts, β and curriculum changes, speed and memory.")
+    parser.add_argument("run_dir", type=Path, help="the run directory (output.dir)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--window", type=int, default=10,
+                        help="steps averaged at the start and the end (default 10)")
+    return parser
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    if args.window < 1:
+        raise ReportError(f"--window {args.window} must be >= 1")
+    text = build_report(args.run_dir, args.window)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    print(text, end="")
+    return 0
