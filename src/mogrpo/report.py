@@ -79,7 +79,7 @@ def _status(run: RunFiles) -> str:
     last = run.steps[-1]["step"] if run.steps else 0
     planned = (run.config.get("train") or {}).get("max_steps")
     of = f" of {planned}" if planned else ""
-    if run.summary.get("saved"):
+    if "saved" in run.summary:
         return f"finished: {last}{of} steps"
     if run.summary:  # written without a final model: a `stop` health check ended the run
         return f"stopped by the health monitor at step {last}{of}"

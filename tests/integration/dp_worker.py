@@ -8,6 +8,7 @@ rows unevenly with one process holding all of them.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def main() -> None:
         grads = gradients(SHARDS[dist.rank], dist, aggregation)
         torch.save({"grads": grads, "world_size": dist.world_size},
                    out / f"{aggregation}-rank{dist.rank}.pt")
+    mine = {"step": 7, "lr": 1e-5, "loss": 0.25 * (dist.rank + 1), "rollout/groups": 2 + dist.rank,
+            "time/step_s": 1.0 + dist.rank, "task/a/beta": 0.04, "kl": 0.1 * (dist.rank + 1),
+            **({"task/b/kl": 0.5} if dist.rank == 1 else {})}
+    (out / f"metrics-rank{dist.rank}.json").write_text(json.dumps(dist.reduce_metrics(mine)))
     torch_dist.destroy_process_group()
 
 

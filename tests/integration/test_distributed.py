@@ -6,6 +6,7 @@ must end with the full-batch gradient of a single process, for every loss aggreg
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,18 @@ def test_without_the_sum_each_process_would_hold_only_its_part(two_processes):
     part = gradients([1, 2, 3, 4], Dist(), "token_mean")
     single = gradients([0, 1, 2, 3, 4], Dist(), "token_mean")
     assert not all(torch.allclose(a, b) for a, b in zip(part, single, strict=True))
+
+
+def test_metrics_are_combined_alike_in_every_process(two_processes):
+    combined = [json.loads((two_processes / f"metrics-rank{r}.json").read_text()) for r in (0, 1)]
+    assert combined[0] == combined[1]
+    assert combined[0] == pytest.approx({
+        "step": 7, "lr": 1e-5, "task/a/beta": 0.04,  # shared settings: kept
+        "loss": 0.75, "rollout/groups": 5,  # parts of one sum: added
+        "time/step_s": 2.0,  # the slowest process
+        "kl": 0.15,  # a mean over completions: averaged
+        "task/b/kl": 0.5,  # only one process had task b's prompts: its value
+    })
 
 
 def test_one_process_is_a_no_op():

@@ -10,8 +10,10 @@ no-op and nothing touches torch.distributed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,3 +65,67 @@ class Dist:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+
+    def shard(self, items: list) -> list:
+        """This process's share of a list every process drew alike (interleaved)."""
+        return items[self.rank::self.world_size]
+
+    def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """One step's metrics from every process, combined the same way in each of them.
+
+        Counts and the loss (each process's part of one sum) add up, timings and memory take
+        the slowest process, settings every process shares (step, lr, β, weights) keep
+        theirs, and everything else — means over a process's completions — is averaged over
+        the processes that report it.
+        """
+        if self.world_size == 1:
+            return metrics
+        gathered: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, metrics)
+        keys: list[str] = []
+        for part in gathered:
+            keys.extend(k for k in part if k not in keys)
+        out: dict[str, Any] = {}
+        for key in keys:
+            values = [part[key] for part in gathered if key in part]
+            numbers = [v for v in values if isinstance(v, int | float)]
+            if len(numbers) != len(values) or key in _SHARED or key.endswith(_SHARED_SUFFIXES):
+                out[key] = values[0]
+            elif key in _SUMMED or key.startswith("throughput/"):
+                out[key] = sum(numbers)
+            elif key.startswith(("time/", "memory/")):
+                out[key] = max(numbers)
+            else:
+                out[key] = sum(numbers) / len(numbers)
+        return out
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        """Give every process process 0's weights (as DDP does when it wraps a model): GPU
+        kernels need not be bit-reproducible, so identical warm-ups can still drift apart."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+_SUMMED = {"loss", "rollout/groups", "rollout/prompt_truncated", "rollout/nonfinite_logits"}
+_SHARED = {"step", "lr", "policy/grad_norm", "policy/update_norm", "policy/skipped_updates"}
+_SHARED_SUFFIXES = ("/beta", "/weight")
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the process group torchrun describes (WORLD_SIZE > 1), or stay a single process.
+
+    gloo on CPU, nccl on CUDA with one GPU per process (LOCAL_RANK)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        cuda = device != "cpu" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist.current()

@@ -104,7 +104,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ phases
 
     def draw_prompts(self, n: int | None = None) -> list[tuple[int, Example]]:
-        return self.mixer.next_batch(n or self.config.prompts_per_step)
+        # every process draws the same global batch; each keeps its share
+        return self.dist.shard(self.mixer.next_batch(n or self.config.prompts_per_step))
 
     def generate(self, picks: list[tuple[int, Example]]) -> Rollout:
         texts, add_special = render_prompts(self.ctx, picks)
@@ -347,6 +348,7 @@ class GRPOTrainer:
             # CUDA: peak reserved memory; CPU: the process's peak RSS (compare with `mogrpo memory`)
             "memory/peak_gib": peak_bytes(self.ctx.device) / 2**30,
         })
+        metrics = self.dist.reduce_metrics(metrics)  # the same numbers in every process
         self.adapt_kl(metrics)
         return metrics
 

@@ -40,6 +40,7 @@ from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.tracking import Trackers
 from mogrpo.train.common import MetricsWriter, Tee, TrainContext
+from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
 from mogrpo.train.tasks import Task, load_tasks
@@ -57,8 +58,42 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device = cuda but no CUDA GPU is visible; set device: auto or cpu")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and Dist.current().world_size > 1:
+        return torch.device("cuda", torch.cuda.current_device())  # one GPU per process
     return torch.device(name)
+
+
+def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
+    """Under torchrun, join the process group and check the config suits several processes.
+
+    Process 0 owns the run directory and the trackers; process r > 0 keeps its own files
+    (metrics, its sampling RNG in its checkpoints) in `output.dir/.rank-r`, logs only errors
+    and saves no final model; the SFT model is process 0's, in the main run directory."""
+    dist = init_distributed(config.device)
+    main_dir = Path(config.output.dir)
+    if dist.world_size == 1:
+        return config, dist, main_dir
+    problems = []
+    if config.prompts_per_step % dist.world_size:
+        problems.append(f"{config.prompts_per_step} prompts per step do not split over "
+                        f"{dist.world_size} processes; make train.micro_batch_size × "
+                        "gradient_accumulation_steps / rollout.num_generations a multiple of it")
+    if config.algorithm.dynamic_sampling:
+        problems.append("algorithm.dynamic_sampling is not supported with several processes yet")
+    if config.algorithm.advantage_scaling == "batch":
+        problems.append("algorithm.advantage_scaling: batch is not supported with several "
+                        "processes yet (use group or none)")
+    if problems:
+        raise ConfigError("invalid config for " + f"{dist.world_size} processes:\n  "
+                          + "\n  ".join(problems))
+    if not dist.is_main:
+        logging.getLogger("mogrpo").setLevel(logging.ERROR)
+        data = config.model_dump()
+        data["output"]["dir"] = str(Path(config.output.dir) / f".rank-{dist.rank}")
+        data["logging"]["trackers"] = []
+        config = RunConfig.model_validate(data)
+    return config, dist, main_dir
 
 
 RUN_FILES = ("metrics.jsonl", "sft_metrics.jsonl", "eval.jsonl", "summary.json", "pareto.json",
@@ -134,11 +169,12 @@ def run_training(config: RunConfig, resume: str | None = None,
     With `resume` ("auto" or a checkpoint path) the run continues from a verified checkpoint
     exactly where it stopped, or refuses with the reason.
     """
-    seed_everything(config.seed)
+    config, dist, main_dir = join_processes(config)
+    seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
     run_dir = prepare_run_dir(config, resuming=resume is not None)
     loaded = _open_checkpoint(run_dir, config, resume, allow_config_change) if resume else None
-    sft_dir = run_dir / "sft" / "merged"
+    sft_dir = main_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None
     ctx = build_context(config, tasks, base)
     summary_memory = _memory_estimate(ctx, config)
@@ -150,10 +186,14 @@ def run_training(config: RunConfig, resume: str | None = None,
         if config.sft.enabled:
             with MetricsWriter(run_dir / "sft_metrics.jsonl") as writer:
                 summary.update(run_sft(ctx, writer))
-            finish_sft(ctx, sft_dir)
+            finish_sft(ctx, sft_dir, write=dist.is_main)
+            dist.barrier()  # the SFT model is on disk before anyone may need it
             sft_done = True
         if config.eval.at_start:
             quick_eval("start", 0)
+    dist.broadcast_parameters(ctx.policy)  # one starting point (before the reference copy)
+    if dist.world_size > 1 and loaded is None:  # each process samples its own completions
+        torch.manual_seed(config.seed * 1_000_003 + dist.rank)
     reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
     trainer = GRPOTrainer(ctx, reference)
     if loaded is not None:
@@ -200,7 +240,7 @@ def run_training(config: RunConfig, resume: str | None = None,
     # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged,
-        in_place=True).items()}
+        in_place=True).items()} if dist.is_main else {}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     (run_dir / "report.md").write_text(build_report(run_dir), encoding="utf-8")
     return summary
@@ -249,19 +289,19 @@ def _restore(loaded: Loaded, ctx: TrainContext, trainer: GRPOTrainer, quick_eval
     restore_rng(loaded.rng, loaded.state["rng"])  # last: nothing may draw after this
 
 
-def finish_sft(ctx: TrainContext, sft_dir: Path) -> None:
+def finish_sft(ctx: TrainContext, sft_dir: Path, write: bool = True) -> None:
     """Save the SFT model (GRPO's reference, and the base a resume reloads) and, under LoRA,
-    restart the adapter on top of it."""
+    restart the adapter on top of it. Only process 0 writes (`write`)."""
     from peft import PeftModel
 
     if isinstance(ctx.policy, PeftModel):
-        restart_adapter(ctx, sft_dir)
-    else:
+        restart_adapter(ctx, sft_dir, write)
+    elif write:
         ctx.policy.save_pretrained(sft_dir)
         ctx.tokenizer.save_pretrained(sft_dir)
 
 
-def restart_adapter(ctx: TrainContext, sft_dir: Path) -> None:
+def restart_adapter(ctx: TrainContext, sft_dir: Path, write: bool = True) -> None:
     """Make the SFT model GRPO's reference under LoRA.
 
     "Adapters disabled" must mean the warm-up model, not the pre-SFT base, as in
@@ -280,8 +320,9 @@ def restart_adapter(ctx: TrainContext, sft_dir: Path) -> None:
         return
     lc = ctx.config.lora
     merged = policy.merge_and_unload()
-    merged.save_pretrained(sft_dir)
-    ctx.tokenizer.save_pretrained(sft_dir)
+    if write:
+        merged.save_pretrained(sft_dir)
+        ctx.tokenizer.save_pretrained(sft_dir)
     fresh = apply_lora(merged, LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules),
                        input_grads=ctx.config.model.gradient_checkpointing)
     fresh.peft_config["default"].base_model_name_or_path = str(sft_dir)

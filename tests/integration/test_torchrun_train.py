@@ -1,0 +1,104 @@
+"""`mogrpo train` under torchrun with 2 CPU processes (gloo): one run, one set of weights.
+
+Each process samples its share of every step's prompts; the normaliser, gradients and metrics
+are combined over both. Process 0 writes the run directory, process 1 keeps its own files in
+`.rank-1` — so the two can be compared line by line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mogrpo.demo import demo_base
+
+USER_REWARDS = Path(__file__).with_name("user_rewards.py")
+TIMING = ("time/", "throughput/", "memory/")
+
+
+def write_config(tmp_path: Path, model: Path, name: str, steps: int, **train) -> Path:
+    config = demo_base()
+    config["model"]["name_or_path"] = str(model)
+    config["output"] = {"dir": str(tmp_path / name), "save_every": 1, "keep_last": 0}
+    config["lora"] = {"enabled": True, "r": 4, "alpha": 8}
+    for task in config["tasks"].values():
+        task["data"] += "?size=60"
+        task["eval_size"] = 4
+        task["rewards"].append({"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"})
+    config["train"].update(max_steps=steps, micro_batch_size=4, gradient_accumulation_steps=2,
+                           learning_rate=5e-3, warmup_steps=0, **train)
+    config["rollout"].update(num_generations=4)
+    config["sft"].update(steps=2, batch_size=4)
+    config["eval"].update(max_samples=4, every_steps=0)
+    config["logging"] = {"progress_bar": False}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def torchrun(config: Path, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "mogrpo.cli", "train", str(config), *args],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def lines(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(TIMING)}
+            for x in path.read_text().splitlines() if '"event"' not in x]
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(checkpoint / "weights.safetensors")
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("torchrun")
+    torchrun(write_config(tmp, tiny_model, "whole", 3))
+    return tmp / "whole"
+
+
+def test_two_processes_train_one_model(whole):
+    main, other = lines(whole / "metrics.jsonl"), lines(whole / ".rank-1" / "metrics.jsonl")
+    assert [m["step"] for m in main] == [1, 2, 3]
+    assert other == main  # every process saw the same combined numbers
+    assert {m["rollout/groups"] for m in main} == {2}  # 1 prompt per process, 2 per step
+    assert any(m["loss"] != 0 for m in main)
+    mine = weights(whole / "checkpoints" / "step-0000003")
+    theirs = weights(whole / ".rank-1" / "checkpoints" / "step-0000003")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    first = weights(whole / "checkpoints" / "step-0000001")
+    assert not all(torch.equal(first[k], mine[k]) for k in mine)  # it trained
+    assert (whole / "final" / "adapter" / "adapter_config.json").is_file()
+    assert not (whole / ".rank-1" / "final").exists()  # one final model, from process 0
+
+
+def test_resume_under_torchrun_continues_exactly(whole, tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, "cut", 2)
+    torchrun(config)
+    torchrun(config, "--resume", "auto", "--set", "train.max_steps=3")
+    assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(whole / "metrics.jsonl")
+    a = weights(tmp_path / "cut" / "checkpoints" / "step-0000003")
+    b = weights(whole / "checkpoints" / "step-0000003")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_step_that_does_not_split_is_refused(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, "odd", 1)
+    data = yaml.safe_load(config.read_text())
+    data["train"]["gradient_accumulation_steps"] = 3  # 12 completions = 3 prompts per step
+    config.write_text(yaml.safe_dump(data))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "mogrpo.cli", "train", str(config)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "3 prompts per step do not split over 2 processes" in done.stderr
