@@ -229,6 +229,12 @@ def run_training(config: RunConfig, resume: str | None = None,
         raise
     finally:
         trackers.close()
+    return _finish(ctx, trainer, quick_eval, summary, run_dir, save=dist.is_main)
+
+
+def _finish(ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval,
+            summary: dict[str, Any], run_dir: Path, save: bool) -> dict[str, Any]:
+    """The last eval, the final model (process 0 only: `save`), summary.json and report.md."""
     summary["health"] = [a.as_event() for a in trainer.health.alerts]
     log.info(trainer.health.summary())
     quick_eval("end", trainer.step, trainer.last_metrics)
@@ -239,8 +245,8 @@ def run_training(config: RunConfig, resume: str | None = None,
     summary["curriculum_changes"] = trainer.curriculum.changes
     # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
-        ctx.policy, ctx.tokenizer, run_dir / "final", merged=config.output.save_merged,
-        in_place=True).items()} if dist.is_main else {}
+        ctx.policy, ctx.tokenizer, run_dir / "final", merged=ctx.config.output.save_merged,
+        in_place=True).items()} if save else {}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     (run_dir / "report.md").write_text(build_report(run_dir), encoding="utf-8")
     return summary
