@@ -203,6 +203,10 @@ def _origin_of(path: str, origin: dict[str, str]) -> str:
     source = origin.get(path) or next(
         (v for k, v in origin.items() if k.startswith(path + ".")), None
     )
+    parts = path.split(".")
+    while source is None and len(parts) > 1:  # inside a list: the list's own source
+        parts.pop()
+        source = origin.get(".".join(parts))
     return f" (from {source})" if source else ""
 
 

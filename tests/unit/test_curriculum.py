@@ -104,6 +104,7 @@ def test_config_file_mistakes_name_the_stage_key(tmp_path):
         "    - {name: one, untill: {steps: 5}}\n"
         "    - {name: two}\n"
         "output: {dir: out}\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"unknown config key `curriculum.stages.0.untill`; "
-                                          r"did you mean `curriculum.stages.0.until`\?"):
+    with pytest.raises(ConfigError, match=r"unknown config key `curriculum.stages.0.untill` "
+                                          r"\(from file .*run.yaml\); did you mean "
+                                          r"`curriculum.stages.0.until`\?"):
         load_config(path)
