@@ -126,25 +126,36 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     config_yaml: str,
 ) -> Path:
-    """Write `checkpoints/step-N` atomically and point `latest` at it."""
+    """Write `checkpoints/step-N` atomically and point `latest` at it.
+
+    Without `model` and `optimizer` (processes r > 0 of a multi-process run, whose weights and
+    optimizer equal process 0's) the checkpoint holds only this process's state and RNG; its
+    manifest lists the two files as `shared`: they are read from process 0's step-N."""
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(trainable_weights(model), tmp / WEIGHTS)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+    shared = []
+    if model is not None:
+        save_file(trainable_weights(model), tmp / WEIGHTS)
+    else:
+        shared.append(WEIGHTS)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+    else:
+        shared.append(OPTIMIZER)
     tensors, rng_json = rng_state()
     save_file(tensors, tmp / RNG)
     write_json(tmp / STATE, {**state, "step": step, "rng": rng_json})
     (tmp / CONFIG).write_text(config_yaml, encoding="utf-8")
     write_json(tmp / VERSIONS, versions())
-    manifest = {"step": step, "files": {}}
+    manifest: dict[str, Any] = {"step": step, "files": {}, "shared": shared}
     for path in sorted(tmp.iterdir()):
         _fsync(path)
         manifest["files"][path.name] = {"sha256": _sha256(path), "size": path.stat().st_size}
@@ -199,7 +210,7 @@ def verify(path: Path) -> CheckpointStatus:
         return CheckpointStatus(path, step, "corrupt", [f"{MANIFEST} is not valid JSON: {err}"])
     problems, status = [], "ok"
     for name in REQUIRED:
-        if name not in manifest["files"]:
+        if name not in manifest["files"] and name not in manifest.get("shared", []):
             problems.append(f"{name} is not listed in the manifest")
             status = "incomplete"
     for name, expected in manifest["files"].items():
@@ -257,17 +268,25 @@ class Loaded:
     config_yaml: str
 
 
-def load_checkpoint(path: Path) -> Loaded:
+def load_checkpoint(path: Path, shared_from: Path | None = None) -> Loaded:
     """Read a checkpoint that `verify` accepted. No pickled objects: tensors via safetensors
-    or `torch.load(weights_only=True)`, everything else JSON."""
+    or `torch.load(weights_only=True)`, everything else JSON. Files the manifest marks as
+    `shared` are read from `shared_from` (process 0's checkpoint of the same step)."""
     status = verify(path)
     if not status.ok:
         raise CheckpointError(f"checkpoint {path} is {status.status}: " + "; ".join(status.problems))
+    shared = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("shared", [])
+    if shared:
+        if shared_from is None or not verify(shared_from).ok:
+            raise CheckpointError(
+                f"checkpoint {path} shares {', '.join(shared)} with process 0's checkpoint "
+                f"{shared_from}, which is missing or not intact; resume from an earlier step")
+    source = {name: (shared_from if name in shared else path) for name in (WEIGHTS, OPTIMIZER)}
     return Loaded(
         path=path,
         state=json.loads((path / STATE).read_text(encoding="utf-8")),
-        weights=load_file(path / WEIGHTS),
-        optimizer=torch.load(path / OPTIMIZER, weights_only=True),
+        weights=load_file(source[WEIGHTS] / WEIGHTS),
+        optimizer=torch.load(source[OPTIMIZER] / OPTIMIZER, weights_only=True),
         rng=load_file(path / RNG),
         config_yaml=(path / CONFIG).read_text(encoding="utf-8"),
     )

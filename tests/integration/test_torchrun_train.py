@@ -73,9 +73,16 @@ def test_two_processes_train_one_model(whole):
     assert other == main  # every process saw the same combined numbers
     assert {m["rollout/groups"] for m in main} == {2}  # 1 prompt per process, 2 per step
     assert any(m["loss"] != 0 for m in main)
-    mine = weights(whole / "checkpoints" / "step-0000003")
-    theirs = weights(whole / ".rank-1" / "checkpoints" / "step-0000003")
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    # process 1's checkpoints hold its state and RNG; weights and optimizer are process 0's
+    own, shared = whole / ".rank-1" / "checkpoints" / "step-0000003", \
+        whole / "checkpoints" / "step-0000003"
+    manifest = json.loads((own / "manifest.json").read_text())
+    assert manifest["shared"] == ["weights.safetensors", "optimizer.pt"]
+    assert not (own / "weights.safetensors").exists() and (own / "rng.safetensors").exists()
+    sums = [json.loads((d / "trainer_state.json").read_text())["weights_checksum"]
+            for d in (shared, own)]
+    assert sums[0] == sums[1]  # both processes held the same weights when they saved
+    mine = weights(shared)
     first = weights(whole / "checkpoints" / "step-0000001")
     assert not all(torch.equal(first[k], mine[k]) for k in mine)  # it trained
     assert (whole / "final" / "adapter" / "adapter_config.json").is_file()

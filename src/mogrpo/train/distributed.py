@@ -80,8 +80,7 @@ class Dist:
         """
         if self.world_size == 1:
             return metrics
-        gathered: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, metrics)
+        gathered: list[dict[str, Any]] = self.gather(metrics)
         keys: list[str] = []
         for part in gathered:
             keys.extend(k for k in part if k not in keys)
@@ -108,6 +107,14 @@ class Dist:
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
 
+    def gather(self, value: Any) -> list[Any]:
+        """`value` from every process, in rank order (a JSON-able object)."""
+        if self.world_size == 1:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -116,6 +123,13 @@ class Dist:
 _SUMMED = {"loss", "rollout/groups", "rollout/prompt_truncated", "rollout/nonfinite_logits"}
 _SHARED = {"step", "lr", "policy/grad_norm", "policy/update_norm", "policy/skipped_updates"}
 _SHARED_SUFFIXES = ("/beta", "/weight")
+
+
+def weights_checksum(model: torch.nn.Module) -> float:
+    """A float64 sum of every trainable weight: equal in processes that hold equal weights."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()
+                         if p.requires_grad))
 
 
 def init_distributed(device: str) -> Dist:

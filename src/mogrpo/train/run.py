@@ -14,13 +14,16 @@ import torch
 
 from mogrpo.checkpoint import (
     CHECKPOINTS,
+    CheckpointError,
     Loaded,
     find_resume,
+    list_checkpoints,
     load_checkpoint,
     load_weights,
     prune,
     restore_rng,
     save_checkpoint,
+    verify,
 )
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
@@ -40,7 +43,7 @@ from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.tracking import Trackers
 from mogrpo.train.common import MetricsWriter, Tee, TrainContext
-from mogrpo.train.distributed import Dist, init_distributed
+from mogrpo.train.distributed import Dist, init_distributed, weights_checksum
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
 from mogrpo.train.tasks import Task, load_tasks
@@ -173,7 +176,8 @@ def run_training(config: RunConfig, resume: str | None = None,
     seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
     run_dir = prepare_run_dir(config, resuming=resume is not None)
-    loaded = _open_checkpoint(run_dir, config, resume, allow_config_change) if resume else None
+    loaded = _open_checkpoint(run_dir, config, resume, allow_config_change, dist,
+                              main_dir) if resume else None
     sft_dir = main_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None
     ctx = build_context(config, tasks, base)
@@ -211,7 +215,14 @@ def run_training(config: RunConfig, resume: str | None = None,
                  "quick_eval": quick_eval.state_dict(), "sft_done": sft_done,
                  "config_hash": config_hash(config), "summary": summary,
                  "trackers": trackers.state_dict()}
-        path = save_checkpoint(run_dir, step, model=ctx.policy, optimizer=trainer.optimizer,
+        # processes r > 0 hold the same weights and optimizer as process 0: state and RNG only
+        state["weights_checksum"] = weights_checksum(ctx.policy)
+        sums = dist.gather(state["weights_checksum"])
+        if len(set(sums)) > 1:
+            raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
+                                  f"{sums}); not saving a checkpoint that would hide it")
+        path = save_checkpoint(run_dir, step, model=ctx.policy if dist.is_main else None,
+                               optimizer=trainer.optimizer if dist.is_main else None,
                                state=state, config_yaml=to_yaml(config))
         protected = {p["step"] for p in quick_eval.pareto.to_json()["front"]}
         protected |= {p["step"] for p in quick_eval.pareto.to_json()["best"].values()}
@@ -265,11 +276,14 @@ def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
     return est.total / 2**30
 
 
-def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str,
-                     allow_config_change: bool) -> Loaded:
+def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
+                     dist: Dist, main_dir: Path) -> Loaded:
     """Pick and verify the checkpoint, check config drift, and cut the logs back to it."""
-    path = find_resume(run_dir, resume)
-    loaded = load_checkpoint(path)
+    if dist.world_size == 1:
+        loaded = load_checkpoint(find_resume(run_dir, resume))
+    else:
+        loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
+    path = loaded.path
     changes = check_drift(config_diff(loaded.config_yaml, config), allow_config_change, path)
     step = loaded.state["step"]
     if changes:
@@ -284,6 +298,25 @@ def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str,
     (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
     log.info("resuming from %s (step %d)", path, step)
     return loaded
+
+
+def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Path) -> Loaded:
+    """The newest step every process saved intact (or the step of the path given); processes
+    r > 0 read the weights and optimizer from process 0's checkpoint of that step."""
+    if resume == "auto":
+        intact = {s.step for s in list_checkpoints(run_dir) if s.ok}
+        common = set.intersection(*[set(steps) for steps in dist.gather(sorted(intact))])
+        if not common:
+            raise CheckpointError(
+                f"--resume auto: no step has an intact checkpoint in every one of the "
+                f"{dist.world_size} processes ({main_dir / CHECKPOINTS} and .rank-N); start a "
+                "new run or give a checkpoint path")
+        step = max(common)
+    else:  # a path to one of process 0's checkpoints: that step in every process
+        step = verify(find_resume(main_dir, resume)).step
+    name = f"step-{step:07d}"
+    shared = None if dist.is_main else main_dir / CHECKPOINTS / name
+    return load_checkpoint(run_dir / CHECKPOINTS / name, shared_from=shared)
 
 
 def _restore(loaded: Loaded, ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval) -> None:
