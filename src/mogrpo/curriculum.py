@@ -14,17 +14,13 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from mogrpo.config_base import Section
 from mogrpo.errors import ConfigError
 
 
-class _Section(BaseModel):
-    # the same rules as mogrpo.sections.Section (not imported: sections.py imports this module)
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
-
-class UntilConfig(_Section):
+class UntilConfig(Section):
     steps: int | None = Field(None, ge=1)
     """End the stage after this many steps in it."""
     metric: str | None = None
@@ -49,7 +45,7 @@ class UntilConfig(_Section):
         return self
 
 
-class StageConfig(_Section):
+class StageConfig(Section):
     name: str
     """The stage's name in logs and metrics."""
     task_weights: dict[str, float] = Field(default_factory=dict)
@@ -59,7 +55,7 @@ class StageConfig(_Section):
     """When the stage ends; the last stage has none and runs to the end."""
 
 
-class CurriculumConfig(_Section):
+class CurriculumConfig(Section):
     stages: list[StageConfig] = Field(default_factory=list)
     """Stages in order (empty = no curriculum: the task weights hold for the whole run)."""
 

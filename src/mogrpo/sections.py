@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from mogrpo.config_base import Section
 from mogrpo.curriculum import CurriculumConfig
 from mogrpo.health import HealthConfig
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
 class ModelConfig(Section):

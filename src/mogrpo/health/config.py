@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from mogrpo.config_base import Section
 
 Action = Literal["warn", "stop"]
 
 
-class _Section(BaseModel):
-    # the same rules as mogrpo.sections.Section (not imported: sections.py imports this module)
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
-
-class CheckConfig(_Section):
+class CheckConfig(Section):
     enabled: bool = True
     """Run this check."""
     patience: int = Field(5, ge=1)
@@ -115,7 +112,7 @@ class RewardStalledConfig(CheckConfig):
     """Steps in the moving average the best value is taken over."""
 
 
-class HealthConfig(_Section):
+class HealthConfig(Section):
     enabled: bool = True
     """Watch every step's metrics; alerts go to the log, metrics.jsonl and the run summary."""
     not_learning: NotLearningConfig = Field(default_factory=NotLearningConfig)
