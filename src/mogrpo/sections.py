@@ -14,6 +14,8 @@ from mogrpo.config_base import Section
 from mogrpo.curriculum import CurriculumConfig
 from mogrpo.health import HealthConfig
 
+RolloutEngine = Literal["auto", "native", "hf"]
+
 
 class ModelConfig(Section):
     name_or_path: str | None = None
@@ -162,6 +164,13 @@ class RolloutConfig(Section):
     """Subtract this × the count of each token already generated."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a completion (e.g. [128001, 128009]); default: the model's EOS."""
+    engine: RolloutEngine = "auto"
+    """Who generates: `native` (mogrpo's decode loop: Llama, Mistral, Qwen2/3, Gemma, Phi-3),
+    `hf` (transformers' generate(), the reference), `auto` (native where the model can run on
+    it, else hf with one log line saying why)."""
+    generation_batch_size: int | None = Field(None, ge=1)
+    """Completions decoded at once (prompts × K); None = the whole step's. Independent of
+    `train.micro_batch_size`: lower it only to cap generation memory."""
 
     @property
     def prompt_length(self) -> int:

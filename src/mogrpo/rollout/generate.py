@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
 from mogrpo.errors import ConfigError, DataError
+from mogrpo.rollout.native import Decoded, native_decode, unsupported_reason
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
+from mogrpo.sections import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ _UNBLOCKABLE_FIELDS = (
     "guidance_scale",
 )
 _warned: set[str] = set()  # inherited-field warnings already logged (once per process)
+ENGINES = get_args(RolloutEngine)
 
 
 @dataclass
@@ -93,6 +96,8 @@ class Rollout:
     prompt_truncated: int = 0
     nonfinite_logits: int = 0
     """Logits the NonFiniteGuard had to replace (0 in a healthy run)."""
+    sampler_logp: torch.Tensor | None = None
+    """[B, C] log-prob of each token at sampling time (native engine, when asked), else None."""
 
     @property
     def batch_size(self) -> int:
@@ -257,6 +262,49 @@ def split_completions(
     return ids, mask, lengths.long(), ~has_stop
 
 
+def choose_engine(model: nn.Module, engine: str, total_length: int) -> str:
+    """`native` or `hf` for this model; a fallback is logged once per reason."""
+    if engine == "hf":
+        return "hf"
+    reason = unsupported_reason(model, total_length)
+    if reason is None:
+        return "native"
+    if reason not in _warned:
+        _warned.add(reason)
+        level = logging.WARNING if engine == "native" else logging.INFO
+        logger.log(level, "rollout engine: %s; generating with transformers' generate() instead",
+                   reason)
+    return "hf"
+
+
+def _hf_decode(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    settings: SamplingSettings, *, stop_ids: list[int], pad_id: int,
+) -> Decoded:
+    """The reference engine: `model.generate` with every sampling field set explicitly."""
+    width = prompt_ids.shape[1]
+    config = build_generation_config(settings, stop_ids=stop_ids, pad_id=pad_id)
+    _warn_inherited_fields(model, config)
+    guard = NonFiniteGuard(temperature=1.0 if settings.greedy else settings.temperature)
+    processors = LogitsProcessorList(
+        [PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty, width),
+         guard]
+    )
+    sequences = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=config,
+        logits_processor=processors,
+    )  # [B, P + C]
+    return Decoded(sequences[:, width:], guard.replaced, rows_reset=guard.rows_reset)
+
+
+def _pad_right(parts: list[torch.Tensor | None], value: int) -> torch.Tensor:
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value)
+                      for p in parts])
+
+
 def generate_rollout(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -267,13 +315,24 @@ def generate_rollout(
     max_prompt_length: int,
     add_special_tokens: bool = True,
     generator_seed: int | None = None,
+    engine: str = "auto",
+    generation_batch_size: int | None = None,
+    record_logprobs: bool = False,
 ) -> Rollout:
-    """Sample `num_generations` completions for each prompt with `model.generate`.
+    """Sample `num_generations` completions for each prompt.
 
-    `generator_seed` makes the sample reproducible without disturbing the global RNG stream.
+    `engine` is `native` (mogrpo's decode loop), `hf` (`model.generate`) or `auto` (native
+    where the model can run on it). `generation_batch_size` caps the completions decoded at
+    once (None: all). `generator_seed` makes the sample reproducible without disturbing the
+    global RNG stream. `record_logprobs` (native engine) keeps each token's log-prob under the
+    temperature-scaled distribution in `Rollout.sampler_logp`.
     """
     if num_generations < 1:
         raise ConfigError(f"num_generations = {num_generations} must be >= 1")
+    if engine not in ENGINES:
+        raise ConfigError(f"rollout.engine = {engine!r} is not one of {list(ENGINES)}")
+    if generation_batch_size is not None and generation_batch_size < 1:
+        raise ConfigError(f"rollout.generation_batch_size = {generation_batch_size} must be >= 1")
     if max_prompt_length < 1:
         raise ConfigError(f"max_prompt_length = {max_prompt_length} must be >= 1")
     if not prompt_texts:
@@ -313,15 +372,10 @@ def generate_rollout(
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
     width = prompt_ids.shape[1]
 
-    config = build_generation_config(settings, stop_ids=stop_ids, pad_id=pad_id)
-    _warn_inherited_fields(model, config)
-    guard = NonFiniteGuard(temperature=1.0 if settings.greedy else settings.temperature)
-    processors = LogitsProcessorList(
-        [
-            PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty, width),
-            guard,
-        ]
-    )
+    chosen = choose_engine(model, engine, width + settings.max_new_tokens)
+    rows = prompt_ids.shape[0]
+    step = generation_batch_size or rows
+    parts, logps, nonfinite, rows_reset = [], [], 0, 0
     devices = [device] if device.type == "cuda" else []
     with (
         _eval_mode(model),
@@ -330,21 +384,24 @@ def generate_rollout(
     ):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
-        sequences = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=config,
-            logits_processor=processors,
-        )  # [B, P + C]
-    if guard.replaced:
-        logger.warning(
-            "replaced %d non-finite logits during rollout (%d rows reset)",
-            guard.replaced,
-            guard.rows_reset,
-        )
+        for start in range(0, rows, step):
+            ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
+            if chosen == "native":
+                out = native_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id,
+                                    record_logprobs=record_logprobs)
+            else:
+                out = _hf_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id)
+            parts.append(out.tokens)
+            nonfinite += out.nonfinite_logits
+            rows_reset += out.rows_reset
+            logps.append(out.logp)
+    if nonfinite:
+        logger.warning("replaced %d non-finite logits during rollout (%d rows reset)",
+                       nonfinite, rows_reset)
+    generated = _pad_right(parts, pad_id)  # [B, C]
 
     completion_ids, completion_mask, lengths, truncated = split_completions(
-        sequences[:, width:], stop_ids, pad_id
+        generated, stop_ids, pad_id
     )
     texts = [
         tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip()
@@ -360,5 +417,7 @@ def generate_rollout(
         texts=texts,
         num_generations=num_generations,
         prompt_truncated=cut,
-        nonfinite_logits=guard.replaced,
+        nonfinite_logits=nonfinite,
+        sampler_logp=(_pad_right(logps, 0) * completion_mask
+                      if record_logprobs and chosen == "native" else None),
     )

@@ -114,6 +114,8 @@ class GRPOTrainer:
             num_generations=self.config.rollout.num_generations,
             max_prompt_length=self.config.rollout.prompt_length,
             add_special_tokens=add_special,
+            engine=self.config.rollout.engine,
+            generation_batch_size=self.config.rollout.generation_batch_size,
         )
 
     def score(self, picks: list[tuple[int, Example]], rollout: Rollout) -> RewardBatch:

@@ -1,0 +1,252 @@
+"""mogrpo's own decode loop: one batched prefill, a preallocated KV cache, finished rows removed.
+
+`generate()` spends most of a small model's decode step in per-token Python (cache objects,
+mask building, processor lists, stopping criteria). This engine keeps only what the math
+needs: the model's own modules (embeddings, norms, projections — LoRA layers included —,
+MLPs, rotary tables, output head) are called directly, attention runs on a cache allocated
+once for prompt + completion budget, and the sampling rules are a few tensor operations
+(`SamplingRules`). Rows that hit a stop id leave the batch, so the cost follows the live rows.
+
+It covers the decoder families whose layers share the Llama layout (pre-norm, rotary,
+grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3.
+`unsupported_reason()` says why any other model cannot run here; the caller falls back to
+`generate()`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mogrpo.rollout.sampling import SamplingRules
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+_STATIC_ROPE = ("default", "linear", "llama3")
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The Hugging Face causal LM inside peft / DDP / torch.compile wrappers."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+    return model
+
+
+def unsupported_reason(model: nn.Module, total_length: int) -> str | None:
+    """Why the native engine cannot decode this model (None when it can)."""
+    lm = unwrap_causal_lm(model)
+    config = getattr(lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_FAMILIES:
+        return (f"model type {model_type!r} is not one of the native engine's families "
+                f"({', '.join(SUPPORTED_FAMILIES)})")
+    backbone = getattr(lm, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if backbone is None or not all(hasattr(backbone, n) for n in needed) \
+            or lm.get_output_embeddings() is None:
+        return f"the {model_type} model does not have the standard decoder layout"
+    rope_type = getattr(backbone.rotary_emb, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE:
+        return f"rope type {rope_type!r} depends on the sequence length"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and total_length > window:
+        return f"prompt + completion ({total_length}) exceeds the sliding window ({window})"
+    return None
+
+
+@dataclass
+class _Attention:
+    """One layer's attention projections and shapes."""
+
+    module: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    rotary: object  # the model family's apply_rotary_pos_emb
+
+
+class NativeDecoder:
+    """Prefill and per-token decode over a preallocated KV cache, for one batch of prompts."""
+
+    def __init__(self, model: nn.Module) -> None:
+        lm = unwrap_causal_lm(model)
+        self.backbone = lm.model
+        self.head = lm.get_output_embeddings()
+        config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+        self.layers = list(self.backbone.layers)
+        self.attention = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            head_dim = getattr(attn, "head_dim", config.hidden_size // config.num_attention_heads)
+            self.attention.append(_Attention(
+                module=attn,
+                heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                scaling=getattr(attn, "scaling", head_dim**-0.5),
+                rotary=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
+            ))
+        self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
+        self.values: list[Tensor] = []
+        self.valid = torch.empty(0)  # [B, T_max] bool: key positions a query may attend to
+        self.positions = torch.empty(0)  # [B] the position id of the next token
+        self.length = 0  # columns of the cache filled so far
+        self.cos = self.sin = torch.empty(0)  # [T_max, D] rotary tables
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
+        """Run the prompts [B, P] (left-padded), fill the cache; last-position logits [B, V]."""
+        B, P = prompt_ids.shape
+        total = P + max_new_tokens
+        x = self.backbone.embed_tokens(prompt_ids)  # [B, P, H]
+        dtype, device = x.dtype, x.device
+        # Rotary tables for every position once: the rows are looked up per token afterwards.
+        cos, sin = self.backbone.rotary_emb(x, torch.arange(total, device=device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [T_max, D]
+        first = self.attention[0]
+        shape = (B, first.kv_heads, total, first.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.valid = torch.zeros(B, total, dtype=torch.bool, device=device)
+        self.valid[:, :P] = prompt_mask.bool()
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate()
+        self.positions = positions[:, -1] + 1
+        # Causal over real tokens; a pad query sees itself only, so no row is all masked.
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        mask = causal[None] & self.valid[:, None, :P]  # [B, P, P]
+        mask = mask | torch.eye(P, dtype=torch.bool, device=device)[None]
+        self.length = 0
+        hidden = self._forward(x, positions, mask[:, None])  # [B, P, H]
+        return self._logits(hidden[:, -1])
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed one token per row [B]; next-token logits [B, V]."""
+        x = self.backbone.embed_tokens(tokens[:, None])  # [B, 1, H]
+        column = self.length
+        self.valid[:, column] = True
+        mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
+        hidden = self._forward(x, self.positions[:, None], mask)
+        self.positions = self.positions + 1
+        return self._logits(hidden[:, -1])
+
+    def keep(self, rows: Tensor) -> None:
+        """Drop every row not in `rows` from the cache (finished completions)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.valid = self.valid[rows]
+        self.positions = self.positions[rows]
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.head(self.backbone.norm(hidden)).float()  # [B, V]
+
+    def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """The decoder layers on x [B, T, H] at `positions` [B, T], writing T cache columns."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        start, T = self.length, x.shape[1]
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + self._attend(i, h, cos, sin, start, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.length = start + T
+        return x
+
+    def _attend(self, i: int, h: Tensor, cos: Tensor, sin: Tensor, start: int,
+                mask: Tensor) -> Tensor:
+        a = self.attention[i]
+        attn = a.module
+        B, T, _ = h.shape
+        q, k, v = _project_qkv(attn, h, a)
+        q = q.view(B, T, a.heads, a.head_dim)
+        k = k.view(B, T, a.kv_heads, a.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = a.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
+        end = start + T
+        self.keys[i][:, :, start:end] = k
+        self.values[i][:, :, start:end] = v
+        keys, values = self.keys[i][:, :, :end], self.values[i][:, :, :end]
+        if a.heads != a.kv_heads and not _SDPA_GQA:
+            groups = a.heads // a.kv_heads
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
+                                             **kwargs)  # [B, H, T, D]
+        return attn.o_proj(out.transpose(1, 2).reshape(B, T, a.heads * a.head_dim))
+
+
+def _project_qkv(attn: nn.Module, h: Tensor, a: _Attention) -> tuple[Tensor, Tensor, Tensor]:
+    if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection
+        qkv = attn.qkv_proj(h)
+        q_end = a.heads * a.head_dim
+        k_end = q_end + a.kv_heads * a.head_dim
+        return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+    return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+
+@dataclass
+class Decoded:
+    """Raw output of a decode loop."""
+
+    tokens: Tensor  # [B, C] generated ids, pad after a row's stop token
+    nonfinite_logits: int
+    logp: Tensor | None = None  # [B, C] log-prob of each token under softmax(logits / T)
+    rows_reset: int = 0  # rows whose logits were all non-finite
+
+
+@torch.no_grad()
+def native_decode(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    settings,
+    *,
+    stop_ids: list[int],
+    pad_id: int,
+    record_logprobs: bool = False,
+) -> Decoded:
+    """Sample up to `settings.max_new_tokens` tokens for every prompt row [B, P]."""
+    decoder = NativeDecoder(model)
+    B, N = prompt_ids.shape[0], settings.max_new_tokens
+    device = prompt_ids.device
+    logits = decoder.prefill(prompt_ids, prompt_mask, N)  # [B, V]
+    rules = SamplingRules(settings, prompt_ids, logits.shape[-1])
+    tokens = torch.full((B, N), pad_id, dtype=torch.long, device=device)
+    logp = torch.zeros(B, N, device=device) if record_logprobs else None
+    temperature = 1.0 if settings.greedy else settings.temperature
+    stops = torch.tensor(stop_ids, device=device)
+    live = torch.arange(B, device=device)  # original row of each cache row
+    steps = 0
+    for t in range(N):
+        chosen = rules.choose(rules(logits))  # [b]
+        tokens[live, t] = chosen
+        if logp is not None:
+            logp[live, t] = torch.log_softmax(logits / temperature, dim=-1).gather(
+                1, chosen[:, None]).squeeze(1)
+        steps = t + 1
+        if t == N - 1:
+            break
+        rules.observe(chosen)
+        done = torch.isin(chosen, stops)
+        if bool(done.any()):  # a host sync, needed anyway to shrink the batch
+            rows = (~done).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                break
+            live, chosen = live[rows], chosen[rows]
+            decoder.keep(rows)
+            rules.keep(rows)
+        logits = decoder.step(chosen)
+    return Decoded(tokens[:, :steps], rules.guard.replaced,
+                   logp[:, :steps] if logp is not None else None, rules.guard.rows_reset)

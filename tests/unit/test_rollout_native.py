@@ -1,0 +1,183 @@
+"""The native rollout engine against `generate()`: same greedy completions, same log-probs, same
+sampling rules, same sampling distribution; and a logged fallback for other architectures."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from transformers import AutoTokenizer, GenerationConfig, LogitsProcessorList
+
+from mogrpo.algo.logprobs import completion_logprobs
+from mogrpo.modeling.load import LoraSettings, apply_lora
+from mogrpo.rollout.generate import (
+    SamplingSettings,
+    build_generation_config,
+    generate_rollout,
+)
+from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
+from mogrpo.rollout.sampling import SamplingRules
+
+PROMPTS = ["the cat sat on", "答案 因为 the question", "a", "option A B because the context says"]
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def family_model(family: str, tok, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model of `family` with grouped-query attention and spread-out logits."""
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.2, **{"pad_token_id": tok.pad_token_id, **extra},
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    return model
+
+
+def rollout(model, tok, engine, *, k=2, seed=0, **settings):
+    return generate_rollout(model, tok, PROMPTS, SamplingSettings(**settings), num_generations=k,
+                            max_prompt_length=32, engine=engine, generator_seed=seed,
+                            record_logprobs=engine == "native")
+
+
+def training_logprobs(model, ro, temperature):
+    with torch.no_grad():
+        return completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                   ro.completion_mask, temperature=temperature)[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_completions_and_logprobs_match_generate(family, tok):
+    model = family_model(family, tok)
+    hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
+    # A token the greedy rows emit mid-way becomes a stop id: rows then finish at different
+    # steps and leave the native batch one by one.
+    stop = int(hf.completion_ids[0, 3])
+    hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10, stop_token_ids=[stop, 1])
+    native = rollout(model, tok, "native", greedy=True, max_new_tokens=10,
+                     stop_token_ids=[stop, 1])
+    assert torch.equal(native.completion_ids, hf.completion_ids)
+    assert torch.equal(native.lengths, hf.lengths)
+    assert native.texts == hf.texts
+    assert len(set(native.lengths.tolist())) > 1  # rows really did finish at different steps
+    reference = training_logprobs(model, native, 1.0)
+    torch.testing.assert_close(native.sampler_logp, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sampled_logprobs_match_the_training_forward_with_lora(family, tok):
+    model = apply_lora(family_model(family, tok), LoraSettings(r=4, alpha=8, dropout=0.3))
+    with torch.no_grad():  # non-zero adapters, so the LoRA path is really exercised
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    model.train()  # the engine must turn LoRA dropout off while sampling
+    ro = rollout(model, tok, "native", k=4, temperature=0.7, top_k=20, max_new_tokens=12)
+    model.eval()
+    reference = training_logprobs(model, ro, 0.7)
+    torch.testing.assert_close(ro.sampler_logp, reference, atol=1e-5, rtol=0)
+    assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout["default"].p == 0.3
+
+
+def test_generation_batch_size_splits_without_changing_greedy_output(tok):
+    model = family_model("llama", tok)
+    whole = rollout(model, tok, "native", k=3, greedy=True, max_new_tokens=8)
+    split = generate_rollout(model, tok, PROMPTS, SamplingSettings(greedy=True, max_new_tokens=8),
+                             num_generations=3, max_prompt_length=32, generation_batch_size=5)
+    assert torch.equal(split.completion_ids, whole.completion_ids)
+    assert torch.equal(split.prompt_ids, whole.prompt_ids)
+
+
+FLAG_SETS = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_k": 5},
+    {"top_p": 0.8},
+    {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
+    {"min_p": 0.2},
+    {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+    {"repetition_penalty": 1.3, "temperature": 0.8},
+    {"greedy": True, "repetition_penalty": 1.2, "presence_penalty": 0.4},
+]
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: ",".join(f) or "plain")
+def test_sampling_rules_equal_generate_processors(flags, tiny_policy):
+    """The native rules give the very scores generate()'s own processor list gives."""
+    model = tiny_policy[0]
+    settings = SamplingSettings(max_new_tokens=8, **flags)
+    torch.manual_seed(0)
+    V, P = 50, 6
+    prompt = torch.randint(0, V, (3, P))
+    generated = torch.randint(0, V, (3, 4))
+    logits = torch.randn(3, V) * 3
+    logits[1, 7] = float("nan")  # the guard must treat it the same way in both
+    config = build_generation_config(settings, stop_ids=[1], pad_id=0)
+    custom = LogitsProcessorList([
+        PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty, P),
+        NonFiniteGuard(temperature=1.0 if settings.greedy else settings.temperature),
+    ])
+    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=P,
+                                             logits_processor=custom, device="cpu")
+    expected = processors(torch.cat([prompt, generated], 1), logits.clone())
+
+    rules = SamplingRules(settings, prompt, V)
+    for column in generated.T:
+        rules.observe(column)
+    got = rules(logits.clone())
+    torch.testing.assert_close(got, expected, atol=0, rtol=0, equal_nan=True)
+    assert rules.guard.replaced == 1
+
+
+def test_native_samples_the_same_distribution_as_generate(tok):
+    """First-token frequencies of 3,000 samples per engine agree (chi-square, 1 % level)."""
+    model = family_model("llama", tok, seed=3)
+    settings = dict(temperature=1.0, top_k=8, max_new_tokens=1)
+    counts = {}
+    for engine in ("hf", "native"):
+        ro = generate_rollout(model, tok, ["the cat sat on"], SamplingSettings(**settings),
+                              num_generations=3000, max_prompt_length=16, engine=engine,
+                              generator_seed=11)
+        counts[engine] = torch.bincount(ro.completion_ids[:, 0], minlength=len(tok)).double()
+    used = (counts["hf"] + counts["native"]) > 0
+    a, b = counts["hf"][used], counts["native"][used]
+    assert int(used.sum()) == 8  # top-k 8 honoured by both
+    expected = (a + b) / 2
+    chi2 = float((((a - expected) ** 2 + (b - expected) ** 2) / expected).sum())
+    assert chi2 < 18.48  # chi-square 0.99 quantile, 7 degrees of freedom
+
+
+def test_other_architectures_fall_back_to_generate_with_one_line(tok, caplog):
+    config = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
+                                     n_positions=128, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    with caplog.at_level(logging.INFO, logger="mogrpo"):
+        native = rollout(model, tok, "native", greedy=True, max_new_tokens=5)
+        rollout(model, tok, "native", greedy=True, max_new_tokens=5)
+    hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=5)
+    assert torch.equal(native.completion_ids, hf.completion_ids)
+    lines = [r.getMessage() for r in caplog.records if "rollout engine" in r.getMessage()]
+    assert len(lines) == 1
+    assert "'gpt2' is not one of the native engine's families" in lines[0]
+    assert "generate() instead" in lines[0]
+    assert native.sampler_logp is None
