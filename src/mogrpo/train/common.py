@@ -51,7 +51,13 @@ def build_optimizer(
     model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
 ) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    try:
+        # One fused kernel for every tensor (CPU and CUDA): many times faster than the default
+        # per-tensor loop when a model has many small tensors, as LoRA adapters do.
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas,
+                                 fused=True)
+    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
 
 def build_scheduler(

@@ -199,17 +199,20 @@ class GRPOTrainer:
         need_old = self.config.algorithm.num_iterations > 1
         need_ref = self.reference is not None and bool((batch.beta > 0).any())
         temperature = self.ctx.sampling.temperature
-        old, ref = [], []
-        for rows in self._micro_batches(batch.rollout.batch_size):
+        ids = batch.rollout.completion_ids  # [B, C]
+        old = torch.zeros(ids.shape, device=ids.device) if need_old else None
+        ref = torch.zeros(ids.shape, device=ids.device) if need_ref else None
+        for rows in self._micro_batches(batch.rollout):
             args = _slice(batch.rollout, rows)
+            width = args[2].shape[1]
             if need_old:
-                old.append(completion_logprobs(self.ctx.policy, *args, temperature=temperature)[0])
+                old[rows, :width] = completion_logprobs(self.ctx.policy, *args,
+                                                        temperature=temperature)[0]
             if need_ref:
                 with self.reference.model() as ref_model:
-                    ref.append(completion_logprobs(ref_model, *args, temperature=temperature)[0])
-        width = batch.rollout.completion_ids.shape[1]
-        batch.old_logp = _cat_padded(old, width) if need_old else None
-        batch.ref_logp = _cat_padded(ref, width) if need_ref else None
+                    ref[rows, :width] = completion_logprobs(ref_model, *args,
+                                                            temperature=temperature)[0]
+        batch.old_logp, batch.ref_logp = old, ref
 
     def update(self, batch: ScoredBatch) -> dict[str, float]:
         """μ optimizer updates on the batch, each accumulating over its micro-batches."""
@@ -224,7 +227,7 @@ class GRPOTrainer:
                   "update_norm": 0.0}
         for it in range(algo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            for rows in self._micro_batches(ro.batch_size):
+            for rows in self._micro_batches(ro):
                 args = _slice(ro, rows)
                 width = args[2].shape[1]
                 logp, entropy = completion_logprobs(
@@ -422,9 +425,21 @@ class GRPOTrainer:
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])
 
-    def _micro_batches(self, batch_size: int) -> list[slice]:
-        size = self.config.train.micro_batch_size
-        return [slice(i, min(i + size, batch_size)) for i in range(0, batch_size, size)]
+    def _micro_batches(self, ro: Rollout) -> list[slice | torch.Tensor]:
+        return length_buckets(ro.prompt_mask, ro.completion_mask,
+                              self.config.train.micro_batch_size)
+
+
+def length_buckets(prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                   size: int) -> list[slice | torch.Tensor]:
+    """Row sets of at most `size` rows; rows of similar length go together, so `_slice` trims
+    more padding. The loss normaliser is global, so how rows are grouped changes no gradient."""
+    B = prompt_mask.shape[0]
+    if size >= B:
+        return [slice(0, B)]
+    lengths = prompt_mask.sum(1) + completion_mask.sum(1)  # [B]
+    order = torch.argsort(lengths, stable=True)
+    return [order[i:i + size] for i in range(0, B, size)]
 
 
 def _identical_groups(ro: Rollout) -> float:
@@ -446,7 +461,7 @@ def _columns(examples: list[Example]) -> dict[str, list]:
     return {k: [ex.columns.get(k) for ex in examples] for k in keys}
 
 
-def _slice(ro: Rollout, rows: slice) -> tuple[torch.Tensor, ...]:
+def _slice(ro: Rollout, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The micro-batch's tensors, trimmed of columns that are padding in every row."""
     prompt_ids, prompt_mask = ro.prompt_ids[rows], ro.prompt_mask[rows]
     completion_ids, completion_mask = ro.completion_ids[rows], ro.completion_mask[rows]
@@ -455,6 +470,3 @@ def _slice(ro: Rollout, rows: slice) -> tuple[torch.Tensor, ...]:
     return (prompt_ids[:, first:], prompt_mask[:, first:],
             completion_ids[:, :width], completion_mask[:, :width])
 
-
-def _cat_padded(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])

@@ -1,0 +1,108 @@
+"""Decode speed of the rollout engines at equal batch: completion tokens per second.
+
+Builds Qwen2-style models from scratch (three sizes, one tokenizer), then times
+`generate_rollout` with `engine="hf"` (transformers' generate) and `engine="native"` on the
+same prompts, K and settings, alternating the two engines run by run. No stop id can occur, so
+every row decodes the full budget and both engines do the same number of tokens.
+
+    python benchmarks/decode_speed.py                     # all sizes, 5 repeats
+    python benchmarks/decode_speed.py --sizes small --repeats 3
+
+Writes benchmarks/results/decode_speed.json and .md (median tokens/s per engine, ratio
+native / hf with the min-max of the per-repeat ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mogrpo.modeling.tiny import build_tiny_model
+from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+
+# hidden, layers, heads, intermediate: about 0.7 M, 8 M and 32 M parameters with a 512 vocab.
+SIZES = {"small": (96, 4, 4, 384), "medium": (256, 8, 8, 1024), "large": (512, 8, 8, 2048)}
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def addition_prompts(n: int) -> list[str]:
+    pairs = [(10 + (7 * i) % 89, 10 + (13 * i) % 89) for i in range(n)]
+    return [f"What is {a} + {b}?" for a, b in pairs]
+
+
+def build(size: str, root: Path) -> Path:
+    hidden, layers, heads, inter = SIZES[size]
+    texts = [f"What is {a} + {b}? Answer: {a + b}" for a in range(10, 99, 3)
+             for b in range(10, 99, 5)]
+    return build_tiny_model(root / size, texts, arch="qwen2", hidden_size=hidden,
+                            num_layers=layers, num_heads=heads, intermediate_size=inter)
+
+
+def time_engine(model, tok, engine: str, args) -> float:
+    """Completion tokens per second of one rollout call (after the call's own warm-up)."""
+    settings = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0,
+                                stop_token_ids=[len(tok) + 7])  # an id no model can emit
+    prompts = addition_prompts(args.prompts)
+    start = time.perf_counter()
+    ro = generate_rollout(model, tok, prompts, settings, num_generations=args.k,
+                          max_prompt_length=64, engine=engine, generator_seed=0)
+    seconds = time.perf_counter() - start
+    return int(ro.lengths.sum()) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode_speed")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes:
+            path = build(size, Path(tmp))
+            model = AutoModelForCausalLM.from_pretrained(path).eval()
+            tok = AutoTokenizer.from_pretrained(path)
+            for engine in ("hf", "native"):  # warm-up, not recorded
+                time_engine(model, tok, engine, args)
+            runs: dict[str, list[float]] = {"hf": [], "native": []}
+            for _ in range(args.repeats):
+                for engine in ("hf", "native"):
+                    runs[engine].append(time_engine(model, tok, engine, args))
+            ratios = [n / h for n, h in zip(runs["native"], runs["hf"], strict=True)]
+            rows.append({
+                "size": size, "parameters": model.num_parameters(),
+                "batch": args.prompts * args.k, "new_tokens": args.new_tokens,
+                "hf_tokens_per_s": statistics.median(runs["hf"]),
+                "native_tokens_per_s": statistics.median(runs["native"]),
+                "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                "ratio_max": max(ratios), "runs": runs,
+            })
+            print(f"{size}: hf {rows[-1]['hf_tokens_per_s']:.0f} tok/s, native "
+                  f"{rows[-1]['native_tokens_per_s']:.0f} tok/s, x{rows[-1]['ratio']:.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats}
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = ["| size | parameters | batch × tokens | generate() tok/s | native tok/s | native / generate |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['parameters'] / 1e6:.2f} M | {r['batch']} × "
+                     f"{r['new_tokens']} | {r['hf_tokens_per_s']:.0f} | "
+                     f"{r['native_tokens_per_s']:.0f} | **{r['ratio']:.2f}×** "
+                     f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
