@@ -87,14 +87,17 @@ def run_trl(bench: Bench, size: str, mode: str, run_dir: Path) -> dict[str, Any]
 
 
 def run_mogrpo(bench: Bench, size: str, mode: str, run_dir: Path) -> dict[str, Any]:
-    """One mogrpo run through its CLI (`mogrpo train CONFIG`); its per-step record."""
+    """One mogrpo run through its CLI entry point (`mogrpo train CONFIG`, with the CPU time of
+    each step recorded by mogrpo_worker.py); its per-step record."""
     out_dir = run_dir / "run"
     config = workload.mogrpo_config(bench.models[size]["path"], bench.pool, out_dir,
                                     bench.steps, mode == "lora", bench.settings, bench.engine)
     path = workload.write_mogrpo_config(run_dir / "config.yaml", config)
-    cmd = [sys.executable, "-m", "mogrpo.cli", "train", str(path)]
+    cpu = run_dir / "cpu.json"
+    cmd = [sys.executable, str(HERE / "mogrpo_worker.py"), str(path), str(cpu)]
     wall, rss = run_child(cmd, bench.env(run_dir / "rewards.jsonl"), run_dir / "log.txt")
     record = read_mogrpo_metrics(out_dir / "metrics.jsonl", bench.settings.batch_size)
+    record["cpu_s"] = json.loads(cpu.read_text(encoding="utf-8"))["cpu_s"]
     for bulky in ("final", "checkpoints"):  # the saved model is not part of the benchmark
         shutil.rmtree(out_dir / bulky, ignore_errors=True)
     return {**record, "wall_s": wall, "peak_rss_mib": rss}
@@ -127,6 +130,7 @@ def run_pair(bench: Bench, size: str, mode: str, repeat: int) -> dict[str, Any]:
         pair[tool] = {"summary": summary.summarize_run(record, bench.warmup), "raw": record}
         print(f"  {size:<6} {mode:<4} r{repeat} {tool:<6} "
               f"step {pair[tool]['summary']['step_ms']:7.0f} ms  "
+              f"cpu {pair[tool]['summary']['cpu_ms']:7.0f} ms  "
               f"peak {record['peak_rss_mib']:5.0f} MiB  wall {record['wall_s']:5.0f} s",
               flush=True)
     pair["prompts_match"] = prompts["trl"] == prompts["mogrpo"] and len(prompts["trl"]) == bench.steps

@@ -1,9 +1,12 @@
 """From raw per-step records to the benchmark's figures: pure functions, no models.
 
 A *run* is one process of one tool: per-step wall times, generation times, completion
-tokens, the reward log and its peak RSS. A *pair* is a TRL run and a mogrpo run started one
-after the other; the speed ratio is taken within each pair, so a machine that is busier in one
-minute than the next moves both sides of a ratio together.
+tokens, the reward log and its peak RSS. Each step is timed twice: wall time, and the
+process's CPU time. With one torch thread per run the CPU time is the work the step did,
+which other processes on a shared machine disturb far less than its wall time.
+A *pair* is a TRL run and a mogrpo run started one after the other; the speed ratios are
+taken within each pair, so a machine that is busier in one minute than the next moves both
+sides of a ratio together.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def read_reward_log(path: Path, weights: dict[str, float]) -> tuple[list[float],
 def summarize_run(record: dict[str, Any], warmup: int) -> dict[str, Any]:
     """One run's figures over the steps after `warmup`."""
     steps = record["step_s"][warmup:]
+    cpu = record["cpu_s"][warmup:]
     gen = record["generation_s"][warmup:]
     tokens = record["completion_tokens"][warmup:]
     if not steps:
@@ -48,6 +52,7 @@ def summarize_run(record: dict[str, Any], warmup: int) -> dict[str, Any]:
     curve = record["rewards"]
     return {
         "step_ms": 1000 * statistics.median(steps),
+        "cpu_ms": 1000 * statistics.median(cpu),
         "generation_share": sum(gen) / sum(steps),
         "completion_tokens_per_s": sum(tokens) / sum(gen),
         "peak_rss_mib": record["peak_rss_mib"],
@@ -62,7 +67,8 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     trl = [p["trl"]["summary"] for p in pairs]
     mog = [p["mogrpo"]["summary"] for p in pairs]
     ratios = [t["step_ms"] / m["step_ms"] for t, m in zip(trl, mog, strict=True)]
-    keys = ("step_ms", "generation_share", "completion_tokens_per_s", "peak_rss_mib",
+    cpu_ratios = [t["cpu_ms"] / m["cpu_ms"] for t, m in zip(trl, mog, strict=True)]
+    keys = ("step_ms", "cpu_ms", "generation_share", "completion_tokens_per_s", "peak_rss_mib",
             "final_reward")
     return {
         "trl": {k: statistics.median(s[k] for s in trl) for k in keys},
@@ -71,6 +77,10 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "cpu_ratios": cpu_ratios,
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "cpu_ratio_min": min(cpu_ratios),
+        "cpu_ratio_max": max(cpu_ratios),
         "repeats": len(pairs),
         "prompts_match": all(p["prompts_match"] for p in pairs),
     }
@@ -79,9 +89,10 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown_table(results: dict[str, Any]) -> str:
     """The table of every (size, mode): TRL vs mogrpo."""
     head = ("| model | mode | runs | TRL step | mogrpo step | mogrpo / TRL steps/s (min–max) "
+            "| CPU per step TRL / mogrpo | mogrpo / TRL by CPU time (min–max) "
             "| generation share TRL / mogrpo | completion tok/s TRL / mogrpo "
             "| peak RSS TRL / mogrpo | final reward TRL / mogrpo |")
-    rows = [head, "|---" * 10 + "|"]
+    rows = [head, "|---" * 12 + "|"]
     for entry in results["entries"]:
         s, t, m = entry["summary"], entry["summary"]["trl"], entry["summary"]["mogrpo"]
         rows.append(
@@ -89,6 +100,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"| {s['repeats']} × {entry.get('steps', '?')} "
             f"| {t['step_ms']:.0f} ms | {m['step_ms']:.0f} ms "
             f"| **{s['ratio']:.2f}×** ({s['ratio_min']:.2f}–{s['ratio_max']:.2f}) "
+            f"| {t['cpu_ms']:.0f} / {m['cpu_ms']:.0f} ms "
+            f"| **{s['cpu_ratio']:.2f}×** ({s['cpu_ratio_min']:.2f}–{s['cpu_ratio_max']:.2f}) "
             f"| {t['generation_share']:.0%} / {m['generation_share']:.0%} "
             f"| {t['completion_tokens_per_s']:.0f} / {m['completion_tokens_per_s']:.0f} "
             f"| {t['peak_rss_mib']:.0f} / {m['peak_rss_mib']:.0f} MiB "

@@ -3,7 +3,7 @@
     python benchmarks/vs_trl/trl_worker.py --model DIR --prompts ORDER.jsonl --steps N \
         --mode full|lora --out RESULT.json
 
-Writes per-step wall times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
+Writes per-step wall and CPU times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
 tokenize, `model.generate`, decode — what mogrpo's `time/rollout_s` covers) and completion
 token counts. Rewards come from the shared reward log (see arith_rewards.py).
 """
@@ -27,9 +27,10 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.step_s: list[float] = []
+        self.cpu_s: list[float] = []
         self.generation_s: list[float] = []
         self.completion_tokens: list[int] = []
-        self._start = 0.0
+        self._start = self._cpu_start = 0.0
 
     def wrap_generate(self, trainer: Any) -> None:
         """Replace the trainer's `_generate` by a timed call of the original."""
@@ -51,10 +52,11 @@ class StepTimer:
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                timer._start = time.perf_counter()
+                timer._start, timer._cpu_start = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 timer.step_s.append(time.perf_counter() - timer._start)
+                timer.cpu_s.append(time.process_time() - timer._cpu_start)
 
         return _Callback()
 
@@ -144,6 +146,7 @@ def main() -> None:
         trainer.train()
     args.out.write_text(json.dumps({
         "step_s": timer.step_s,
+        "cpu_s": timer.cpu_s,
         "generation_s": timer.generation_s,
         "completion_tokens": timer.completion_tokens,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

@@ -45,11 +45,12 @@ def test_reward_log_gives_the_weighted_curve_and_the_prompts(bench, tmp_path, mo
 
 
 def test_run_figures_leave_out_the_warmup(bench):
-    record = {"step_s": [9.0, 9.0, 0.2, 0.4, 0.3], "generation_s": [5.0, 5.0, 0.1, 0.2, 0.15],
+    record = {"step_s": [9.0, 9.0, 0.2, 0.4, 0.3], "cpu_s": [5.0, 5.0, 0.1, 0.3, 0.2],
+              "generation_s": [5.0, 5.0, 0.1, 0.2, 0.15],
               "completion_tokens": [1, 1, 100, 200, 150], "peak_rss_mib": 500.0,
               "rewards": [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}
     s = bench["summary"].summarize_run(record, warmup=2)
-    assert s["step_ms"] == pytest.approx(300.0)
+    assert s["step_ms"] == pytest.approx(300.0) and s["cpu_ms"] == pytest.approx(200.0)
     assert s["generation_share"] == pytest.approx(0.45 / 0.9)
     assert s["completion_tokens_per_s"] == pytest.approx(450 / 0.45)
     assert s["final_reward"] == pytest.approx(0.4)  # mean of the last 5 steps
@@ -57,17 +58,18 @@ def test_run_figures_leave_out_the_warmup(bench):
 
 
 def test_ratio_is_trl_time_over_mogrpo_time_per_pair(bench):
-    def side(ms: float) -> dict:
-        return {"summary": {"step_ms": ms, "generation_share": 0.5, "completion_tokens_per_s": 1.0,
+    def side(ms: float, cpu_ms: float = 100.0) -> dict:
+        return {"summary": {"step_ms": ms, "cpu_ms": cpu_ms, "generation_share": 0.5, "completion_tokens_per_s": 1.0,
                             "peak_rss_mib": 1.0, "final_reward": 0.0}}
 
-    pairs = [{"trl": side(300), "mogrpo": side(100), "prompts_match": True},
+    pairs = [{"trl": side(300, 120), "mogrpo": side(100), "prompts_match": True},
              {"trl": side(200), "mogrpo": side(200), "prompts_match": True},
              {"trl": side(330), "mogrpo": side(150), "prompts_match": False}]
     s = bench["summary"].summarize_pairs(pairs)
     assert s["ratios"] == pytest.approx([3.0, 1.0, 2.2])
     assert (s["ratio"], s["ratio_min"], s["ratio_max"]) == pytest.approx((2.2, 1.0, 3.0))
     assert s["trl"]["step_ms"] == 300 and s["mogrpo"]["step_ms"] == 150
+    assert s["cpu_ratios"] == pytest.approx([1.2, 1.0, 1.0]) and s["cpu_ratio"] == 1.0
     assert s["prompts_match"] is False
 
 
