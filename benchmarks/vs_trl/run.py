@@ -171,7 +171,9 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
         "warmup_steps": bench.warmup,
         "settings": asdict(bench.settings),
         "reward_weights": WEIGHTS,
-        "models": bench.models,
+        # folders relative to --work: no machine paths in a results file
+        "models": {name: {**m, "path": os.path.relpath(m["path"], bench.work)}
+                   for name, m in bench.models.items()},
     }
 
 
