@@ -1,0 +1,157 @@
+"""One TRL GRPOTrainer run of the benchmark, in its own process (started by run.py).
+
+    python benchmarks/vs_trl/trl_worker.py --model DIR --prompts ORDER.jsonl --steps N \
+        --mode full|lora --out RESULT.json
+
+Writes per-step wall and CPU times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
+tokenize, `model.generate`, decode — what mogrpo's `time/rollout_s` covers) and completion
+token counts. Rewards come from the shared reward log (see arith_rewards.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import arith_rewards
+from workload import Settings
+
+
+class StepTimer:
+    """Times each optimizer step and the generation inside it."""
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self.cpu_s: list[float] = []
+        self.generation_s: list[float] = []
+        self.completion_tokens: list[int] = []
+        self._start = self._cpu_start = 0.0
+
+    def wrap_generate(self, trainer: Any) -> None:
+        """Replace the trainer's `_generate` by a timed call of the original."""
+        original = trainer._generate
+
+        def timed(prompts: list[Any]) -> Any:
+            start = time.perf_counter()
+            out = original(prompts)
+            self.generation_s.append(time.perf_counter() - start)
+            self.completion_tokens.append(sum(len(ids) for ids in out[1]))  # completion_ids
+            return out
+
+        trainer._generate = timed
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                timer._start, timer._cpu_start = time.perf_counter(), time.process_time()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                timer.step_s.append(time.perf_counter() - timer._start)
+                timer.cpu_s.append(time.process_time() - timer._cpu_start)
+
+        return _Callback()
+
+
+def grpo_config(settings: Settings, steps: int, output_dir: str) -> Any:
+    """TRL's config matching mogrpo's run: fp32 on CPU, token-mean (DAPO) loss, k3 KL
+    without the importance weight (mogrpo's default), no eval, no saving, no trackers."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=settings.batch_size,
+        gradient_accumulation_steps=1,
+        generation_batch_size=settings.batch_size,  # one generation per optimizer step
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        temperature=settings.temperature,
+        top_p=1.0,
+        top_k=0,
+        beta=settings.beta,
+        use_bias_correction_kl=False,
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        reward_weights=list(arith_rewards.WEIGHTS.values()),
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        shuffle_dataset=False,  # the dataset is already in mogrpo's draw order
+        seed=settings.seed,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=steps,
+        disable_tqdm=True,
+        log_level="warning",
+        dataloader_num_workers=0,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", type=Path, required=True, help="JSONL in draw order")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--mode", choices=["full", "lora"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOTrainer
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    settings = Settings()
+    torch.manual_seed(settings.seed)
+    rows = [json.loads(line) for line in args.prompts.read_text(encoding="utf-8").splitlines()]
+    peft_config = LoraConfig(
+        r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
+        target_modules="all-linear", task_type="CAUSAL_LM",
+    ) if args.mode == "lora" else None
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = grpo_config(settings, args.steps, tmp)
+        config.model_init_kwargs = {"dtype": torch.float32}
+        trainer = GRPOTrainer(
+            model=args.model,
+            reward_funcs=[getattr(arith_rewards, name) for name in arith_rewards.WEIGHTS],
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            peft_config=peft_config,
+            callbacks=[timer.callback()],
+        )
+        timer.wrap_generate(trainer)
+        trainer.train()
+    args.out.write_text(json.dumps({
+        "step_s": timer.step_s,
+        "cpu_s": timer.cpu_s,
+        "generation_s": timer.generation_s,
+        "completion_tokens": timer.completion_tokens,
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+    }), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
