@@ -1,6 +1,6 @@
 """Decode speed of the rollout engines at equal batch: completion tokens per second.
 
-Builds Qwen2-style models from scratch (three sizes, one tokenizer), then times
+Builds the vs_trl benchmark's Qwen2 models from scratch (three sizes, one tokenizer), then times
 `generate_rollout` with `engine="hf"` (transformers' generate) and `engine="native"` on the
 same prompts, K and settings, alternating the two engines run by run. No stop id can occur, so
 every row decodes the full budget and both engines do the same number of tokens.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,32 +25,21 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mogrpo.modeling.tiny import build_tiny_model
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
-# hidden, layers, heads, intermediate: about 0.7 M, 8 M and 32 M parameters with a 512 vocab.
-SIZES = {"small": (96, 4, 4, 384), "medium": (256, 8, 8, 1024), "large": (512, 8, 8, 2048)}
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "vs_trl"))
+import workload  # noqa: E402  (the vs_trl models and prompts)
 
-
-def addition_prompts(n: int) -> list[str]:
-    pairs = [(10 + (7 * i) % 89, 10 + (13 * i) % 89) for i in range(n)]
-    return [f"What is {a} + {b}?" for a, b in pairs]
-
-
-def build(size: str, root: Path) -> Path:
-    hidden, layers, heads, inter = SIZES[size]
-    texts = [f"What is {a} + {b}? Answer: {a + b}" for a in range(10, 99, 3)
-             for b in range(10, 99, 5)]
-    return build_tiny_model(root / size, texts, arch="qwen2", hidden_size=hidden,
-                            num_layers=layers, num_heads=heads, intermediate_size=inter)
+SIZES = list(workload.SIZES)
+RESULTS = HERE / "results"
 
 
 def time_engine(model, tok, engine: str, args) -> float:
     """Completion tokens per second of one rollout call (after the call's own warm-up)."""
     settings = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0,
                                 stop_token_ids=[len(tok) + 7])  # an id no model can emit
-    prompts = addition_prompts(args.prompts)
+    prompts = [row["prompt"] for row in workload.prompt_rows(0, args.prompts)]
     start = time.perf_counter()
     ro = generate_rollout(model, tok, prompts, settings, num_generations=args.k,
                           max_prompt_length=64, engine=engine, generator_seed=0)
@@ -59,19 +49,21 @@ def time_engine(model, tok, engine: str, args) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=SIZES, choices=SIZES)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: the vs_trl default, steadier on a shared machine)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_speed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        built = workload.build_models(Path(tmp), args.sizes, 0)
         for size in args.sizes:
-            path = build(size, Path(tmp))
+            path = built[size]["path"]
             model = AutoModelForCausalLM.from_pretrained(path).eval()
             tok = AutoTokenizer.from_pretrained(path)
             for engine in ("hf", "native"):  # warm-up, not recorded
