@@ -6,6 +6,13 @@ re-parsed on every hit so that a fixed parser reuses old replies, and the score 
 stored. Nothing secret goes in: API keys and headers are never part of a key or a value.
 WAL mode lets several processes read while one writes; every write is its own transaction, so
 a crash loses at most the reply being written.
+
+Waiting for other writers: SQLite's busy timeout covers most statements, but not all. Switching
+a new file to WAL upgrades a read lock to a write lock, and SQLite answers "database is locked"
+at once, without its busy handler, when another connection holds the write lock (for instance
+another process setting the same new file up). So first-use setup and every statement here go
+through `_retry_locked`, which retries a "locked"/"busy" error with backoff until the busy
+timeout has passed since the operation began; only then is a reply dropped, with a warning.
 """
 
 from __future__ import annotations
@@ -14,15 +21,18 @@ import hashlib
 import json
 import logging
 import os
+import random
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mogrpo.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CACHE_FILE = "judge_cache.sqlite"
 _SCHEMA = """
@@ -71,13 +81,42 @@ class JudgeCache:
             # One connection guarded by a lock: sqlite3 objects must not be used concurrently.
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
                                    check_same_thread=False, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL is durable across process crashes in WAL mode (only power loss can drop the
-            # last commits), and avoids an fsync per reply.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(_SCHEMA)
+            try:
+                mode = self._retry_locked(conn, _set_up)
+            except BaseException:
+                conn.close()
+                raise
+            if mode != "wal":  # e.g. a file system without shared memory: still correct, slower
+                logger.debug("judge cache %s stays in %s journal mode", self.path, mode)
             self._conn = conn
         return self._conn
+
+    def _retry_locked(
+        self, conn: sqlite3.Connection, action: Callable[..., T], *args: Any
+    ) -> T:
+        """`action(conn, *args)`, retried with backoff on "locked"/"busy" for `busy_timeout_s`.
+
+        Each retry lowers the connection's own busy timeout to the time left, so the whole
+        operation, busy-handler waits included, ends within about `busy_timeout_s` (the first
+        use of a connection may wait that long twice: once to set the file up, once to write)."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        delay, retried = 0.002, False
+        try:
+            while True:
+                try:
+                    return action(conn, *args)
+                except sqlite3.OperationalError as err:
+                    left = deadline - time.monotonic()
+                    if not _is_locked(err) or left <= 0:
+                        raise
+                time.sleep(min(delay * random.uniform(0.5, 1.5), left))  # jitter: no lockstep
+                delay = min(delay * 2, 0.1)
+                retried = True
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                conn.execute(f"PRAGMA busy_timeout = {left_ms}")
+        finally:
+            if retried:
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
 
     def get_many(self, keys: list[str]) -> dict[str, str]:
         """{key: reply} for the keys present; a read error counts as a miss."""
@@ -85,12 +124,13 @@ class JudgeCache:
         unique = list(dict.fromkeys(keys))
         try:
             with self._lock:
+                conn = self._connection()
                 for start in range(0, len(unique), 500):  # SQLite caps bound parameters
                     chunk = unique[start : start + 500]
                     marks = ",".join("?" * len(chunk))
-                    rows = self._connection().execute(
-                        f"SELECT key, reply FROM judgements WHERE key IN ({marks})", chunk
-                    ).fetchall()
+                    rows = self._retry_locked(
+                        conn, _fetch, f"SELECT key, reply FROM judgements WHERE key IN ({marks})",
+                        tuple(chunk))
                     found.update(dict(rows))
         except (sqlite3.Error, OSError) as err:
             self._failed("read", err)
@@ -102,18 +142,12 @@ class JudgeCache:
     ) -> None:
         """Store one reply in its own transaction; a write error is logged, never raised."""
         try:
+            row = (key, provider, model, reply, score, tokens, time.time())
             with self._lock:
                 conn = self._connection()
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO judgements VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (key, provider, model, reply, score, tokens, time.time()),
-                    )
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                conn.execute("COMMIT")
+                self._retry_locked(conn, _transaction,
+                                   "INSERT OR REPLACE INTO judgements VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                   row)
         except (sqlite3.Error, OSError) as err:
             self._failed("written", err)
 
@@ -126,7 +160,8 @@ class JudgeCache:
 
     def __len__(self) -> int:
         with self._lock:
-            return int(self._connection().execute("SELECT COUNT(*) FROM judgements").fetchone()[0])
+            conn = self._connection()
+            return int(self._retry_locked(conn, _fetch, "SELECT COUNT(*) FROM judgements")[0][0])
 
     def close(self) -> None:
         """Close the connection (the file stays for the next run; a later use reopens it)."""
@@ -137,6 +172,54 @@ class JudgeCache:
 
     def __repr__(self) -> str:
         return f"JudgeCache({str(self.path)!r})"
+
+
+def _set_up(conn: sqlite3.Connection) -> str:
+    """Put the file in WAL mode and create the table (each step harmless to repeat); returns
+    the journal mode the file ends up in."""
+    # Reading the mode takes only a read lock; the switch (a lock upgrade that SQLite does not
+    # wait for) is needed once per file, by whichever connection comes first.
+    mode = _journal_mode(conn)
+    if mode != "wal":
+        mode = _journal_mode(conn, "WAL")
+    # NORMAL is durable across process crashes in WAL mode (only power loss can drop the
+    # last commits), and avoids an fsync per reply.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    _transaction(conn, _SCHEMA)
+    return mode
+
+
+def _journal_mode(conn: sqlite3.Connection, new: str | None = None) -> str:
+    """The file's journal mode, after switching it to `new` when given."""
+    sql = "PRAGMA journal_mode" if new is None else f"PRAGMA journal_mode={new}"
+    return str(conn.execute(sql).fetchone()[0]).lower()
+
+
+def _fetch(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    """All rows of one query."""
+    return conn.execute(sql, params).fetchall()
+
+
+def _transaction(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...] = ()) -> None:
+    """Run one statement in its own write transaction, taken up front (BEGIN IMMEDIATE) so it
+    never needs a lock upgrade; on any error the transaction is rolled back, so a retry (or the
+    next reply) starts clean even when COMMIT itself failed."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(sql, params)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _is_locked(err: sqlite3.OperationalError) -> bool:
+    """True for SQLITE_BUSY / SQLITE_LOCKED (any extended code), the errors worth waiting out."""
+    code = getattr(err, "sqlite_errorcode", None)  # Python >= 3.11
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(err) or "busy" in str(err)
 
 
 def _check_writable(path: Path) -> None:
