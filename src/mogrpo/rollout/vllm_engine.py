@@ -255,8 +255,8 @@ class VLLMEngine:
                                      stop_ids=stop_ids, seed=seed,
                                      record_logprobs=record_logprobs)
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                        use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                        sampling_params=params, use_tqdm=False)
         finally:
             if self.sleep_during_update:
                 self.sleep()

@@ -240,11 +240,8 @@ class GRPOTrainer:
                 )
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
-                weights = self._importance_weights(old, ro, rows, args[3])
-                if weights is not None and it == 0:
-                    valid = args[3].bool()
-                    totals["is_weight"] += float(weights[valid].sum())
-                    totals["is_capped"] += float((weights[valid] >= self._is_cap).sum())
+                weights = self._importance_weights(old, ro, rows, args[3],
+                                                   totals if it == 0 else None)
                 out = grpo_loss(
                     logp, old, batch.advantages[rows], args[3], normalizer=normalizer,
                     aggregation=algo.loss_aggregation, epsilon_low=algo.epsilon_low,
@@ -303,17 +300,20 @@ class GRPOTrainer:
             metrics[f"task/{task.name}/beta"] = self.kl_controllers[t].beta
         return metrics
 
-    @property
-    def _is_cap(self) -> float:
-        return self.config.rollout.vllm.importance_cap
-
     def _importance_weights(self, old: torch.Tensor, ro: Rollout, rows: slice,
-                            mask: torch.Tensor) -> torch.Tensor | None:
-        """[b, T] truncated π_old / π_sampler per token when another engine sampled, else None."""
+                            mask: torch.Tensor, totals: dict | None) -> torch.Tensor | None:
+        """[b, T] truncated π_old / π_sampler per token when another engine sampled, else None;
+        their sum and the count of capped ones are added to `totals` when given."""
         if not self._sampler_correction or ro.sampler_logp is None:
             return None
-        sampler = ro.sampler_logp[rows, :mask.shape[1]]
-        return truncated_importance_weights(old, sampler, mask, self._is_cap)
+        cap = self.config.rollout.vllm.importance_cap
+        weights = truncated_importance_weights(old, ro.sampler_logp[rows, :mask.shape[1]],
+                                               mask, cap)
+        if totals is not None:
+            valid = mask.bool()
+            totals["is_weight"] += float(weights[valid].sum())
+            totals["is_capped"] += float((weights[valid] >= cap).sum())
+        return weights
 
     def judge_stats(self) -> dict[str, float]:
         """This step's LLM-judge calls: one `[Judge@N]` line per judge, and metrics."""
