@@ -18,7 +18,7 @@ adapter. vLLM then decodes at base-model speed with no LoRA kernels, needs no `e
 one on-device copy of the adapted matrices per step.
 
 Log-probs: vLLM reports each sampled token's log-prob under the distribution it sampled from
-(`logprobs_mode="processed_logprobs"`: penalties, temperature, min-p, top-k/top-p applied), the
+(`logprobs_mode="processed_logprobs"`: after vLLM's penalties, temperature and filters), the
 `q` of the importance correction in `mogrpo.algo.importance`. vLLM applies min-p before top-k /
 top-p, transformers after them: with both min_p and top_p set the two can keep slightly
 different tokens.

@@ -57,13 +57,13 @@ def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, detached tensor) for every parameter, LoRA merged, tied weights once."""
     lm = unwrap_causal_lm(model)
     lora_type = _lora_layer_type()
-    seen: set[int] = set()
-    handled: list[str] = []  # LoRA layers already yielded: skip their sub-modules
+    seen: set[int] = set()  # parameters yielded (tied ones come once)
+    inside: set[int] = set()  # sub-modules of LoRA layers already yielded merged
     for name, module in lm.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in handled):
+        if id(module) in inside:
             continue
         if lora_type is not None and isinstance(module, lora_type):
-            handled.append(name)
+            inside.update(id(m) for m in module.modules())
             base = module.get_base_layer()
             seen.update(id(p) for p in base.parameters(recurse=False))
             yield f"{name}.weight", merged_lora_weight(module)
