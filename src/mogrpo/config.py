@@ -234,6 +234,8 @@ def validate(config: RunConfig) -> None:
                 f"tasks.{name}.rewards is empty: add a reward, e.g. `rewards: [mc_correct]`"
             )
     errors.extend(_task_control_errors(config))
+    if ro.engine == "vllm":
+        errors.extend(_vllm_errors(config))
     if ro.num_generations < 2:
         errors.append(
             f"rollout.num_generations = {ro.num_generations}: GRPO needs at least 2 completions "
@@ -282,6 +284,29 @@ def validate(config: RunConfig) -> None:
         errors.append(str(err))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _vllm_errors(config: RunConfig) -> list[str]:
+    """`rollout.engine: vllm`: settings vLLM cannot honour, then the machine (vLLM and CUDA)."""
+    from mogrpo.rollout.vllm_engine import PENALTY_RANGE, vllm_unavailable_reason
+
+    errors = []
+    low, high = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(config.rollout, name)
+        if not low <= value <= high:
+            errors.append(f"rollout.{name} = {value} is outside vLLM's range [{low}, {high}]; "
+                          "bring it inside or use rollout.engine: auto")
+    if config.model.load_in_4bit:
+        errors.append("rollout.engine = vllm cannot follow a 4-bit policy (its weight push needs "
+                      "unquantised weights); set model.load_in_4bit: false or use engine: auto")
+    if config.device == "cpu":
+        errors.append("rollout.engine = vllm needs device: cuda (or auto on a GPU machine)")
+    else:
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            errors.append(reason)
+    return errors
 
 
 def _task_control_errors(config: RunConfig) -> list[str]:

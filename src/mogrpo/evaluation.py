@@ -54,7 +54,7 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0) -> dict[
             rollout = generate_rollout(
                 ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
                 max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
-                engine=cfg.rollout.engine,
+                engine=ctx.engine,
             )
             columns = {k: [ex.columns.get(k) for ex in chunk] for k in chunk[0].columns}
             columns["completion_lengths"] = rollout.lengths.tolist()

@@ -14,7 +14,7 @@ from mogrpo.config_base import Section
 from mogrpo.curriculum import CurriculumConfig
 from mogrpo.health import HealthConfig
 
-RolloutEngine = Literal["auto", "native", "hf"]
+RolloutEngine = Literal["auto", "native", "hf", "vllm"]
 
 
 class ModelConfig(Section):
@@ -135,6 +135,27 @@ class TaskConfig(Section):
         return value
 
 
+class VLLMConfig(Section):
+    gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """Share of the GPU's memory vLLM may take for its weights and KV cache; the rest is the
+    trainer's (policy, reference, optimizer, activations)."""
+    sleep_during_update: bool = True
+    """Free vLLM's weights and KV cache while the trainer updates (sleep level 2); its weights
+    are pushed back after the optimizer step. Off: both stay allocated, no wake-up cost."""
+    importance_correction: bool = True
+    """Weight each token's loss by min(π_trainer / π_vLLM, importance_cap): truncated importance
+    sampling for the sampler/trainer log-prob mismatch (TRL's `token_truncate` mode)."""
+    importance_cap: float = Field(3.0, ge=1)
+    """Upper bound of that per-token weight (TRL's default cap, 3.0)."""
+    tensor_parallel_size: Literal[1] = 1
+    """GPUs vLLM shards the model over; colocated in the training process it is 1."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture: faster start, slower decoding (useful for tiny smoke runs)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """vLLM's weight dtype; `auto` = the policy's dtype. The model length is derived:
+    max_prompt_length + max_completion_length."""
+
+
 class RolloutConfig(Section):
     num_generations: int = 4
     """K: completions sampled per prompt (the group of group-relative advantages); ≥ 2."""
@@ -167,10 +188,14 @@ class RolloutConfig(Section):
     engine: RolloutEngine = "auto"
     """Who generates: `native` (mogrpo's decode loop: Llama, Mistral, Qwen2/3, Gemma, Phi-3),
     `hf` (transformers' generate(), the reference), `auto` (native where the model can run on
-    it, else hf with one log line saying why)."""
+    it, else hf with one log line saying why), `vllm` (vLLM colocated on the training GPU;
+    `pip install 'mogrpo[vllm]'`, CUDA only; options under `rollout.vllm`)."""
     generation_batch_size: int | None = Field(None, ge=1)
     """Completions decoded at once (prompts × K); None = the whole step's. Independent of
-    `train.micro_batch_size`: lower it only to cap generation memory."""
+    `train.micro_batch_size`: lower it only to cap generation memory. vllm: its
+    max_num_seqs."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """The vLLM engine (used when `engine: vllm`)."""
 
     @property
     def prompt_length(self) -> int:

@@ -91,6 +91,7 @@ def grpo_loss(
     beta: Tensor | float = 0.0,
     kl_estimator: str = "k3",
     kl_importance_weight: bool = False,
+    importance_weights: Tensor | None = None,
 ) -> LossOutput:
     """Clipped GRPO surrogate plus beta * KL, aggregated and divided by ``normalizer``.
 
@@ -107,6 +108,10 @@ def grpo_loss(
     expectation. Multiplying it by the detached ratio pi/pi_old reweights the samples back to
     pi (Zhang et al., "On the Design of KL-Regularized Policy Gradient Algorithms for LLM
     Reasoning", arXiv 2505.17508). The ratio is 1 on the first pass.
+
+    ``importance_weights`` [B, T] (detached) multiply the surrogate term of each token, not the
+    KL term: the truncated correction for tokens sampled by another engine than the trainer
+    (:func:`mogrpo.algo.importance.truncated_importance_weights`), as TRL applies it.
 
     ``aggregation`` (see :func:`loss_normalizer` for the matching ``normalizer``):
     ``"seq_mean"`` sums each sequence's token mean; ``"token_mean"`` and ``"fixed_length"``
@@ -136,6 +141,8 @@ def grpo_loss(
     ratio = torch.exp(logp - old_logp)  # [B, T]
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach().to(dtype)
 
     lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)  # [B]
     beta_t = torch.as_tensor(beta, dtype=dtype, device=logp.device)

@@ -24,6 +24,7 @@ def select_groups(rollout: Rollout, groups: list[int]) -> Rollout:
         num_generations=K,
         prompt_truncated=rollout.prompt_truncated,
         nonfinite_logits=rollout.nonfinite_logits,
+        sampler_logp=rollout.sampler_logp[index] if rollout.sampler_logp is not None else None,
     )
 
 
@@ -51,4 +52,6 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         num_generations=parts[0].num_generations,
         prompt_truncated=sum(r.prompt_truncated for r in parts),
         nonfinite_logits=sum(r.nonfinite_logits for r in parts),
+        sampler_logp=(torch.cat([right(r.sampler_logp, C, 0) for r in parts])
+                      if all(r.sampler_logp is not None for r in parts) else None),
     )

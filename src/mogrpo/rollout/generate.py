@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any, Protocol, get_args
 
 import torch
 from torch import nn
@@ -97,7 +97,8 @@ class Rollout:
     nonfinite_logits: int = 0
     """Logits the NonFiniteGuard had to replace (0 in a healthy run)."""
     sampler_logp: torch.Tensor | None = None
-    """[B, C] log-prob of each token at sampling time (native engine, when asked), else None."""
+    """[B, C] log-prob of each token at sampling time (native engine: under softmax(logits / T);
+    vllm: under the distribution vLLM sampled from), when asked; else None."""
 
     @property
     def batch_size(self) -> int:
@@ -262,6 +263,16 @@ def split_completions(
     return ids, mask, lengths.long(), ~has_stop
 
 
+class ExternalEngine(Protocol):
+    """An engine that batches and samples on its own (vLLM): whole groups in, `Decoded` out."""
+
+    def decode(self, prompts: list[list[int]], settings: SamplingSettings, *,
+               num_generations: int, stop_ids: list[int], pad_id: int, seed: int | None = None,
+               record_logprobs: bool = False) -> Decoded:
+        """K completions for each prompt (unpadded token ids), row `i * K + k`."""
+        ...
+
+
 def choose_engine(model: nn.Module, engine: str, total_length: int) -> str:
     """`native` or `hf` for this model; a fallback is logged once per reason."""
     if engine == "hf":
@@ -305,6 +316,39 @@ def _pad_right(parts: list[torch.Tensor | None], value: int) -> torch.Tensor:
                       for p in parts])
 
 
+def _decode_batches(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    settings: SamplingSettings, chosen: str, *, stop_ids: list[int], pad_id: int,
+    generator_seed: int | None, generation_batch_size: int | None, record_logprobs: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
+    """Decode [B, P] prompt rows in batches of `generation_batch_size` with `native` or `hf`.
+    Returns (token parts, log-prob parts, non-finite logits replaced, rows reset)."""
+    rows = prompt_ids.shape[0]
+    step = generation_batch_size or rows
+    parts, logps, nonfinite, rows_reset = [], [], 0, 0
+    device = prompt_ids.device
+    devices = [device] if device.type == "cuda" else []
+    with (
+        _eval_mode(model),
+        torch.no_grad(),
+        torch.random.fork_rng(devices=devices, enabled=generator_seed is not None),
+    ):
+        if generator_seed is not None:
+            torch.manual_seed(generator_seed)
+        for start in range(0, rows, step):
+            ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
+            if chosen == "native":
+                out = native_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id,
+                                    record_logprobs=record_logprobs)
+            else:
+                out = _hf_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id)
+            parts.append(out.tokens)
+            nonfinite += out.nonfinite_logits
+            rows_reset += out.rows_reset
+            logps.append(out.logp)
+    return parts, logps, nonfinite, rows_reset
+
+
 def generate_rollout(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -315,21 +359,25 @@ def generate_rollout(
     max_prompt_length: int,
     add_special_tokens: bool = True,
     generator_seed: int | None = None,
-    engine: str = "auto",
+    engine: str | ExternalEngine = "auto",
     generation_batch_size: int | None = None,
     record_logprobs: bool = False,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt.
 
-    `engine` is `native` (mogrpo's decode loop), `hf` (`model.generate`) or `auto` (native
-    where the model can run on it). `generation_batch_size` caps the completions decoded at
+    `engine` is `native` (mogrpo's decode loop), `hf` (`model.generate`), `auto` (native
+    where the model can run on it) or an `ExternalEngine` object (the colocated vLLM engine,
+    which batches on its own). `generation_batch_size` caps the completions decoded at
     once (None: all). `generator_seed` makes the sample reproducible without disturbing the
-    global RNG stream. `record_logprobs` (native engine) keeps each token's log-prob under the
-    temperature-scaled distribution in `Rollout.sampler_logp`.
+    global RNG stream. `record_logprobs` (native and vllm engines) keeps each token's
+    sampling-time log-prob in `Rollout.sampler_logp`.
     """
     if num_generations < 1:
         raise ConfigError(f"num_generations = {num_generations} must be >= 1")
-    if engine not in ENGINES:
+    if engine == "vllm":
+        raise ConfigError("rollout.engine = vllm: pass the VLLMEngine the run built "
+                          "(TrainContext.rollout_engine) as `engine`, not the string")
+    if isinstance(engine, str) and engine not in ENGINES:
         raise ConfigError(f"rollout.engine = {engine!r} is not one of {list(ENGINES)}")
     if generation_batch_size is not None and generation_batch_size < 1:
         raise ConfigError(f"rollout.generation_batch_size = {generation_batch_size} must be >= 1")
@@ -368,33 +416,22 @@ def generate_rollout(
             max_prompt_length,
         )
     device = next(model.parameters()).device
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
-    width = prompt_ids.shape[1]
-
-    chosen = choose_engine(model, engine, width + settings.max_new_tokens)
-    rows = prompt_ids.shape[0]
-    step = generation_batch_size or rows
-    parts, logps, nonfinite, rows_reset = [], [], 0, 0
-    devices = [device] if device.type == "cuda" else []
-    with (
-        _eval_mode(model),
-        torch.no_grad(),
-        torch.random.fork_rng(devices=devices, enabled=generator_seed is not None),
-    ):
-        if generator_seed is not None:
-            torch.manual_seed(generator_seed)
-        for start in range(0, rows, step):
-            ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
-            if chosen == "native":
-                out = native_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id,
-                                    record_logprobs=record_logprobs)
-            else:
-                out = _hf_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id)
-            parts.append(out.tokens)
-            nonfinite += out.nonfinite_logits
-            rows_reset += out.rows_reset
-            logps.append(out.logp)
+    rows_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    rows_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    if isinstance(engine, str):
+        chosen = choose_engine(model, engine, rows_ids.shape[1] + settings.max_new_tokens)
+        parts, logps, nonfinite, rows_reset = _decode_batches(
+            model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
+            generator_seed=generator_seed, generation_batch_size=generation_batch_size,
+            record_logprobs=record_logprobs)
+    else:  # vLLM batches itself: one request per prompt, n = K completions each
+        chosen = "external"
+        unpadded = [ids[mask.bool()].tolist()
+                    for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        out = engine.decode(unpadded, settings, num_generations=num_generations,
+                            stop_ids=stop_ids, pad_id=pad_id, seed=generator_seed,
+                            record_logprobs=record_logprobs)
+        parts, logps, nonfinite, rows_reset = [out.tokens], [out.logp], 0, 0
     if nonfinite:
         logger.warning("replaced %d non-finite logits during rollout (%d rows reset)",
                        nonfinite, rows_reset)
@@ -408,8 +445,8 @@ def generate_rollout(
         for row, n in zip(completion_ids, lengths, strict=True)
     ]
     return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
+        prompt_ids=rows_ids,
+        prompt_mask=rows_mask,
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         lengths=lengths,
@@ -419,5 +456,5 @@ def generate_rollout(
         prompt_truncated=cut,
         nonfinite_logits=nonfinite,
         sampler_logp=(_pad_right(logps, 0) * completion_mask
-                      if record_logprobs and chosen == "native" else None),
+                      if record_logprobs and chosen in ("native", "external") else None),
     )

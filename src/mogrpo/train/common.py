@@ -31,6 +31,14 @@ class TrainContext:
     device: torch.device
     stop_token_ids: list[int]
     sampling: SamplingSettings
+    rollout_engine: Any = None
+    """The colocated vLLM engine (`rollout.engine: vllm`), else None: the policy generates."""
+
+    @property
+    def engine(self) -> Any:
+        """What `generate_rollout` gets as `engine`: the vLLM engine, or the configured name."""
+        return self.rollout_engine if self.rollout_engine is not None \
+            else self.config.rollout.engine
 
 
 def render_prompts(ctx: TrainContext, picks: list[tuple[int, Example]]) -> tuple[list[str], bool]:

@@ -16,6 +16,7 @@ import torch
 
 from mogrpo.algo.advantages import group_advantages
 from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
+from mogrpo.algo.importance import truncated_importance_weights
 from mogrpo.algo.kl_control import make_controller
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
@@ -114,9 +115,16 @@ class GRPOTrainer:
             num_generations=self.config.rollout.num_generations,
             max_prompt_length=self.config.rollout.prompt_length,
             add_special_tokens=add_special,
-            engine=self.config.rollout.engine,
+            engine=self.ctx.engine,
             generation_batch_size=self.config.rollout.generation_batch_size,
+            record_logprobs=self._sampler_correction,
         )
+
+    @property
+    def _sampler_correction(self) -> bool:
+        """Weight tokens by π_trainer / π_sampler: another engine (vLLM) sampled them."""
+        return self.ctx.rollout_engine is not None and \
+            self.config.rollout.vllm.importance_correction
 
     def score(self, picks: list[tuple[int, Example]], rollout: Rollout) -> RewardBatch:
         """Every objective of every task, one call per reward function per task."""
@@ -224,7 +232,7 @@ class GRPOTrainer:
                                                    self.config.rollout.completion_length))
         seq_kl = torch.zeros(ro.batch_size)
         totals = {"loss": 0.0, "clip_tokens": 0.0, "tokens": 0, "entropy": 0.0, "grad_norm": 0.0,
-                  "update_norm": 0.0}
+                  "update_norm": 0.0, "is_weight": 0.0, "is_capped": 0.0}
         for it in range(algo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for rows in self._micro_batches(ro):
@@ -235,11 +243,14 @@ class GRPOTrainer:
                 )
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
+                weights = self._importance_weights(old, ro, rows, args[3],
+                                                   totals if it == 0 else None)
                 out = grpo_loss(
                     logp, old, batch.advantages[rows], args[3], normalizer=normalizer,
                     aggregation=algo.loss_aggregation, epsilon_low=algo.epsilon_low,
                     epsilon_high=algo.epsilon_high, ref_logp=ref, beta=batch.beta[rows],
                     kl_estimator=algo.kl_estimator, kl_importance_weight=algo.kl_importance_weight,
+                    importance_weights=weights,
                 )
                 out.loss.backward()  # gradients add up across micro-batches
                 totals["loss"] += out.loss.item() / algo.num_iterations
@@ -268,6 +279,9 @@ class GRPOTrainer:
                 log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
             self.scheduler.step()
             totals["grad_norm"] += float(grad_norm) / algo.num_iterations
+        if self.ctx.rollout_engine is not None:
+            # free the gradients now rather than at the next step: vLLM wakes into that memory
+            self.optimizer.zero_grad(set_to_none=True)
         tokens = max(totals["tokens"], 1)
         metrics = {
             "loss": totals["loss"],
@@ -278,6 +292,9 @@ class GRPOTrainer:
             "policy/skipped_updates": self.skipped_updates,
             "kl": float(seq_kl.mean()),
         }
+        if self._sampler_correction and ro.sampler_logp is not None:
+            metrics["policy/sampler_is_weight"] = totals["is_weight"] / tokens
+            metrics["policy/sampler_is_capped_frac"] = totals["is_capped"] / tokens
         task_ids = batch.task_ids.cpu()
         for t, task in enumerate(self.ctx.tasks):
             mask = task_ids == t
@@ -285,6 +302,21 @@ class GRPOTrainer:
                 metrics[f"task/{task.name}/kl"] = float(seq_kl[mask].mean())
             metrics[f"task/{task.name}/beta"] = self.kl_controllers[t].beta
         return metrics
+
+    def _importance_weights(self, old: torch.Tensor, ro: Rollout, rows: slice,
+                            mask: torch.Tensor, totals: dict | None) -> torch.Tensor | None:
+        """[b, T] truncated π_old / π_sampler per token when another engine sampled, else None;
+        their sum and the count of capped ones are added to `totals` when given."""
+        if not self._sampler_correction or ro.sampler_logp is None:
+            return None
+        cap = self.config.rollout.vllm.importance_cap
+        weights = truncated_importance_weights(old, ro.sampler_logp[rows, :mask.shape[1]],
+                                               mask, cap)
+        if totals is not None:
+            valid = mask.bool()
+            totals["is_weight"] += float(weights[valid].sum())
+            totals["is_capped"] += float((weights[valid] >= cap).sum())
+        return weights
 
     def judge_stats(self) -> dict[str, float]:
         """This step's LLM-judge calls: one `[Judge@N]` line per judge, and metrics."""
@@ -332,6 +364,10 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         self.reference_logprobs(batch)
         metrics.update(self.update(batch))
+        if self.ctx.rollout_engine is not None:  # the next rollout samples the new weights
+            sync_start = time.perf_counter()
+            self.ctx.rollout_engine.push_weights()
+            metrics["time/weight_sync_s"] = time.perf_counter() - sync_start
         t3 = time.perf_counter()
         self.step += 1
         ro = batch.rollout

@@ -84,6 +84,9 @@ def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
                         "gradient_accumulation_steps / rollout.num_generations a multiple of it")
     if config.algorithm.dynamic_sampling:
         problems.append("algorithm.dynamic_sampling is not supported with several processes yet")
+    if config.rollout.engine == "vllm":
+        problems.append("rollout.engine: vllm (one colocated engine) is not supported with "
+                        "several processes yet; run one process or use rollout.engine: auto")
     if config.algorithm.advantage_scaling == "batch":
         problems.append("algorithm.advantage_scaling: batch is not supported with several "
                         "processes yet (use group or none)")
@@ -162,7 +165,12 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
         top_p=ro.top_p, min_p=ro.min_p, presence_penalty=ro.presence_penalty,
         frequency_penalty=ro.frequency_penalty, stop_token_ids=ids,
     )
-    return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling)
+    engine = None
+    if ro.engine == "vllm":  # started once the policy is on the GPU; it samples from its weights
+        from mogrpo.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.create(policy, config, str(base) if base else mc.name_or_path)
+    return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling, engine)
 
 
 def run_training(config: RunConfig, resume: str | None = None,
