@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 DATA_FORMATS = ("auto", "prompt", "chat", "multiple_choice")
 CHAT_ROLES = ("system", "user", "assistant")
 # Names the trainer itself passes to reward functions; a column with one of them would clash.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_lengths", "truncated")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                    "log_metric", "completion_lengths", "truncated")
 MC_INSTRUCTION = "Answer with the letter of the correct option."
 
 _OPTION_COLUMN = re.compile(r"option_([A-Za-z])")

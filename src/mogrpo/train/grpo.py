@@ -8,8 +8,9 @@ One step: `draw_prompts` → `generate` → `score` (rewards per objective) → 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from mogrpo.data.schema import Example
 from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
 from mogrpo.modeling.reference import Reference
-from mogrpo.rewards.base import score as score_rewards
+from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.train.common import (
@@ -51,6 +52,8 @@ class RewardBatch:
     picks: list[tuple[int, Example]]  # (task index, example) per prompt
     rollout: Rollout
     rewards: list[torch.Tensor]  # per prompt: [K, J of its task], NaN = could not score
+    extras: list[dict[str, list]] = field(default_factory=list)
+    """per prompt: the columns its reward functions logged with `log_extra`, K values each"""
 
 
 @dataclass
@@ -88,6 +91,7 @@ class GRPOTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.last_metrics: dict[str, float] = {}
+        self._logged_metrics: dict[str, list[float]] = {}
         self.dist = Dist.current()
         self.curriculum = Curriculum(self.config.curriculum,
                                      {t.name: t.config.weight for t in ctx.tasks})
@@ -120,21 +124,38 @@ class GRPOTrainer:
         """Every objective of every task, one call per reward function per task."""
         K = rollout.num_generations
         rewards: list[torch.Tensor] = [torch.empty(0)] * len(picks)
+        extras: list[dict[str, list]] = [{} for _ in picks]
         lengths, truncated = rollout.lengths.tolist(), rollout.truncated.tolist()
         for t, task in enumerate(self.ctx.tasks):
             groups = [g for g, (pt, _) in enumerate(picks) if pt == t]
             if not groups:
                 continue
             rows = [g * K + k for g in groups for k in range(K)]
-            examples = [picks[g][1] for g in groups for _ in range(K)]
-            columns = _columns(examples)
-            columns["completion_lengths"] = [lengths[r] for r in rows]
-            columns["truncated"] = [truncated[r] for r in rows]
-            values = score_rewards(task.reward_fns, [ex.prompt for ex in examples],
-                                   [rollout.texts[r] for r in rows], columns)  # [n*K, J]
+            log = RewardLog()
+            values = score_examples(
+                task.reward_fns, [picks[g][1] for g in groups for _ in range(K)],
+                [rollout.texts[r] for r in rows], rollout.completion_ids[rows],
+                [lengths[r] for r in rows], [truncated[r] for r in rows],
+                trainer_state=self._trainer_state(t), log=log,
+            )  # [n*K, J]
+            logged = _per_row(log.extra, len(rows), task.name)
             for i, g in enumerate(groups):
                 rewards[g] = values[i * K:(i + 1) * K]
-        return RewardBatch(picks, rollout, rewards)
+                extras[g] = {c: v[i * K:(i + 1) * K] for c, v in logged.items()}
+            for key, scalars in log.metrics.items():
+                self._logged_metrics.setdefault(f"task/{task.name}/reward/{key}", []).extend(scalars)
+        return RewardBatch(picks, rollout, rewards, extras)
+
+    def _trainer_state(self, t: int) -> TrainerState:
+        """TRL's `trainer_state` for task t's reward functions."""
+        return TrainerState(global_step=self.step, max_steps=self.config.train.max_steps,
+                            epoch=self.mixer.epoch_of(t), is_world_process_zero=self.dist.is_main,
+                            is_local_process_zero=os.environ.get("LOCAL_RANK", "0") == "0")
+
+    def logged_metrics(self) -> dict[str, float]:
+        """The step's `log_metric` values of the reward functions, each averaged."""
+        taken, self._logged_metrics = self._logged_metrics, {}
+        return {key: sum(v) / len(v) for key, v in taken.items() if v}
 
     def keep_informative(self, batch: RewardBatch) -> tuple[RewardBatch, dict[str, float]]:
         """DAPO dynamic sampling: drop groups without signal, refill up to the round cap."""
@@ -158,6 +179,7 @@ class GRPOTrainer:
             [p for b in kept for p in b.picks],
             concat_rollouts([b.rollout for b in kept], self.ctx.tokenizer.pad_token_id),
             [r for b in kept for r in b.rewards],
+            [e for b in kept for e in b.extras],
         )
         return merged, budget.metrics()
 
@@ -323,6 +345,7 @@ class GRPOTrainer:
             rewards, sampling_metrics = self.keep_informative(rewards)
             metrics.update(sampling_metrics)
         metrics.update(self.judge_stats())
+        metrics.update(self.logged_metrics())
         batch, reward_stats = self.advantages(rewards)
         t2 = time.perf_counter()
         self.reference_logprobs(batch)
@@ -434,14 +457,15 @@ def _identical_groups(ro: Rollout) -> float:
 
 def _select(batch: RewardBatch, groups: list[int]) -> RewardBatch:
     return RewardBatch([batch.picks[g] for g in groups], select_groups(batch.rollout, groups),
-                       [batch.rewards[g] for g in groups])
+                       [batch.rewards[g] for g in groups], [batch.extras[g] for g in groups])
 
 
-def _columns(examples: list[Example]) -> dict[str, list]:
-    keys: list[str] = []
-    for ex in examples:
-        keys.extend(k for k in ex.columns if k not in keys)
-    return {k: [ex.columns.get(k) for ex in examples] for k in keys}
+def _per_row(extra: dict[str, list], n: int, task: str) -> dict[str, list]:
+    """The `log_extra` columns with one value per completion; others are dropped, with a warning."""
+    for column in [c for c, v in extra.items() if len(v) != n]:
+        log.warning("task %s: log_extra(%r, ...) got %d values for %d completions; column left "
+                    "out of the completions table", task, column, len(extra[column]), n)
+    return {c: v for c, v in extra.items() if len(v) == n}
 
 
 def _slice(ro: Rollout, rows: slice) -> tuple[torch.Tensor, ...]:

@@ -18,7 +18,7 @@ from mogrpo.config import RewardConfig, RunConfig, TaskConfig
 from mogrpo.data.readers import Record, read_records
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
-from mogrpo.rewards.base import resolve_reward
+from mogrpo.rewards.base import check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ def load_tasks(config: RunConfig) -> list[Task]:
         else:
             train, held_out = examples, []
         fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
+        columns = list(dict.fromkeys(k for ex in [*train, *held_out] for k in ex.columns))
+        for i, (label, fn, kwargs) in enumerate(fns):
+            check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}")
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         tasks.append(Task(name, tc, train, held_out, fns, schedules))
@@ -139,6 +142,10 @@ class TaskMixer:
         example = self.tasks[t].train[self._orders[t][self.position[t]]]
         self.position[t] += 1
         return example
+
+    def epoch_of(self, t: int) -> float:
+        """Passes over task t's prompts so far, fractional (TRL's `trainer_state.epoch`)."""
+        return self.epoch[t] + self.position[t] / max(len(self.tasks[t].train), 1)
 
     def next_batch(self, n: int) -> list[tuple[int, Example]]:
         """`n` (task index, example) pairs, grouped by task in task order."""
