@@ -263,10 +263,11 @@ def validate(config: RunConfig) -> None:
                 f"({completion}) = {prompt + completion} exceeds rollout.max_seq_length "
                 f"({ro.max_seq_length}); shorten one of them or raise max_seq_length"
             )
-    if config.algorithm.kl_importance_weight and config.algorithm.num_iterations == 1:
+    if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:
         errors.append(
-            "algorithm.kl_importance_weight = true has no effect with algorithm.num_iterations = 1"
-            " (the ratio is 1); set num_iterations ≥ 2 or turn it off"
+            "algorithm.kl_importance_weight = detached has no effect with "
+            "algorithm.num_iterations = 1 (the ratio is 1); set num_iterations ≥ 2, use "
+            "`differentiable` (TRL's use_bias_correction_kl), or turn it off"
         )
     if config.eval.reward is not None:
         for name, task in config.tasks.items():
@@ -390,8 +391,12 @@ def field_reference() -> str:
                 "{}" if info.default_factory is dict else
                 "[]" if info.default_factory is list else repr(info.default)
             )
+            literal = [a for a in get_args(annotation) if get_origin(a) is Literal
+                       and type(None) in get_args(annotation)]
             if get_origin(annotation) is Literal:
                 kind = " / ".join(map(str, get_args(annotation)))
+            elif literal:  # an optional choice: `a / b / null`
+                kind = " / ".join([*map(str, get_args(literal[0])), "null"])
             else:
                 kind = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
             cells = [f"`{key}`", kind, default, (info.description or "").replace("\n", " ")]

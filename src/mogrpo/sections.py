@@ -185,14 +185,57 @@ class AlgorithmConfig(Section):
     """μ: optimisation passes over each rollout batch."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator from Schulman (2020); k3 is unbiased and always ≥ 0."""
-    kl_importance_weight: bool = False
-    """Weight the KL estimate by the importance ratio when μ > 1 (off-policy correction)."""
-    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length"] = "seq_mean"
-    """Per-sequence mean (GRPO), per-token over the batch (DAPO), or fixed length (Dr. GRPO)."""
+    kl_importance_weight: Literal["off", "detached", "differentiable"] = "off"
+    """Multiply the KL estimate by the importance ratio π/π_old (the samples came from π_old):
+    `differentiable` is TRL's `use_bias_correction_kl` (DeepSeek-V3.2, arXiv 2512.02556), whose
+    gradient is exactly that of KL(π‖π_ref), also at μ = 1; `detached` (`true`) reweights the
+    value only (arXiv 2505.17508), so the gradient is plain k3's — the same for every μ."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = (
+        "grpo"
+    )
+    """Policy loss, as TRL names them: `grpo` (DeepSeekMath, arXiv 2402.03300), `bnpo`
+    (TRL's per-micro-batch token mean), `dr_grpo` (arXiv 2503.20783), `dapo` (arXiv
+    2503.14476), `cispo` (MiniMax-M1, arXiv 2506.13585), `sapo` (arXiv 2511.20347), `luspo`
+    (arXiv 2602.05261; use with sequence-level weights), `vespo` (arXiv 2602.10693)."""
+    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length", "seq_sum",
+                              "micro_token_mean"] | None = None
+    """How token losses are summed up; null = the loss type's own: `seq_mean` (grpo, sapo),
+    `token_mean` (dapo, cispo, vespo), `fixed_length` (dr_grpo), `seq_sum` (luspo),
+    `micro_token_mean` (bnpo; the only one that depends on the micro-batch split)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per sequence from its mean log-ratio (GSPO, arXiv
+    2507.18071)."""
+    delta: float | None = Field(None, gt=1)
+    """Two-sided clipping: also cap the unclipped ratio at δ (> 1 + ε_high) for negative
+    advantages (INTELLECT-2, arXiv 2505.07291); null = off."""
+    cispo_max_ratio: float = Field(5.0, gt=0)
+    """cispo: ε_max, the cap on the detached importance weight (TRL's `epsilon_high` for cispo;
+    ScaleRL, arXiv 2510.13786, uses 5.0)."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """sapo: gate temperature for tokens with positive advantage (arXiv 2511.20347)."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """sapo: gate temperature for tokens with non-positive advantage."""
+    vespo_k_pos: float = Field(2.0, ge=0)
+    """vespo: power k of φ(w) = e^λ w^k e^(−λw) for A ≥ 0 (arXiv 2602.10693)."""
+    vespo_lambda_pos: float = Field(3.0, gt=0)
+    """vespo: decay λ of φ(w) for A ≥ 0."""
+    vespo_k_neg: float = Field(3.0, ge=0)
+    """vespo: power k of φ(w) for A < 0."""
+    vespo_lambda_neg: float = Field(2.0, gt=0)
+    """vespo: decay λ of φ(w) for A < 0."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit the length limit out of the loss (DAPO's overlong filtering,
+    arXiv 2503.14476); they still count in rewards and metrics."""
     dynamic_sampling: bool = False
     """Drop groups whose combined rewards are all equal — they carry no signal (DAPO)."""
     max_refill_rounds: int = Field(0, ge=0)
     """With dynamic sampling, extra rollout rounds per step to refill the dropped groups."""
+
+    @field_validator("kl_importance_weight", mode="before")
+    @classmethod
+    def _kl_weight_bool(cls, value: Any) -> Any:
+        # configs written before the differentiable form: true meant the detached weight
+        return {True: "detached", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class TrainConfig(Section):

@@ -17,9 +17,11 @@ import torch
 
 from mogrpo.algo.advantages import group_advantages
 from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
+from mogrpo.algo.kl import sequence_kl
 from mogrpo.algo.kl_control import make_controller
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
+from mogrpo.algo.surrogates import LossVariant, mask_truncated, resolve_aggregation
 from mogrpo.config import RunConfig
 from mogrpo.curriculum import Curriculum
 from mogrpo.data.schema import Example
@@ -236,15 +238,21 @@ class GRPOTrainer:
         algo, ro = self.config.algorithm, batch.rollout
         policy = self.ctx.policy
         policy.train()
+        variant = LossVariant.from_config(algo)
+        aggregation = resolve_aggregation(algo.loss_type, algo.loss_aggregation)
+        loss_mask = (mask_truncated(ro.completion_mask, ro.truncated)
+                     if algo.mask_truncated_completions else ro.completion_mask)  # [B, C]
+        micro_batches = self._micro_batches(ro.batch_size)
         # the step's global normaliser: a sum over this process's rows, then over processes
-        normalizer = self.dist.sum(loss_normalizer(ro.completion_mask, algo.loss_aggregation,
-                                                   self.config.rollout.completion_length))
+        normalizer = self.dist.sum(loss_normalizer(loss_mask, aggregation,
+                                                   self.config.rollout.completion_length,
+                                                   micro_batches=len(micro_batches)))
         seq_kl = torch.zeros(ro.batch_size)
         totals = {"loss": 0.0, "clip_tokens": 0.0, "tokens": 0, "entropy": 0.0, "grad_norm": 0.0,
                   "update_norm": 0.0}
         for it in range(algo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            for rows in self._micro_batches(ro.batch_size):
+            for rows in micro_batches:
                 args = _slice(ro, rows)
                 width = args[2].shape[1]
                 logp, entropy = completion_logprobs(
@@ -253,18 +261,22 @@ class GRPOTrainer:
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
                 out = grpo_loss(
-                    logp, old, batch.advantages[rows], args[3], normalizer=normalizer,
-                    aggregation=algo.loss_aggregation, epsilon_low=algo.epsilon_low,
+                    logp, old, batch.advantages[rows], loss_mask[rows, :width],
+                    normalizer=normalizer, aggregation=aggregation, epsilon_low=algo.epsilon_low,
                     epsilon_high=algo.epsilon_high, ref_logp=ref, beta=batch.beta[rows],
                     kl_estimator=algo.kl_estimator, kl_importance_weight=algo.kl_importance_weight,
+                    variant=variant,
                 )
                 out.loss.backward()  # gradients add up across micro-batches
                 totals["loss"] += out.loss.item() / algo.num_iterations
                 if it == 0:
-                    seq_kl[rows] = out.kl.float().cpu()
+                    # KL is measured on every completion, also those left out of the loss
+                    seq_kl[rows] = (sequence_kl(logp.detach(), ref, args[3], algo.kl_estimator)
+                                    if ref is not None and algo.mask_truncated_completions
+                                    else out.kl).float().cpu()
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
                     totals["tokens"] += out.num_tokens
-                    totals["entropy"] += float(entropy[args[3].bool()].sum())
+                    totals["entropy"] += float(entropy[loss_mask[rows, :width].bool()].sum())
             params = [p for p in policy.parameters() if p.requires_grad]
             self.dist.sum_gradients(params)  # the full-batch gradient in every process
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.max_grad_norm)
