@@ -303,6 +303,12 @@ class LoggingConfig(Section):
     """Tracker run name; default: the name of output.dir."""
     mlflow_tracking_uri: str | None = None
     """MLflow tracking URI; default: a local file store, RUN_DIR/mlruns."""
+    log_completions: bool = False
+    """Log every completion of a step — prompt, completion, each reward, advantage and the
+    reward functions' `log_extra` columns — to RUN_DIR/completions.jsonl and the trackers
+    (TensorBoard text, W&B table, MLflow artifact), as TRL's `log_completions` does."""
+    log_completions_every: int = Field(1, ge=1)
+    """Steps between two completions tables (TRL logs one every `logging_steps`)."""
 
 
 class OutputConfig(Section):

@@ -39,6 +39,7 @@ from mogrpo.train.common import (
     build_scheduler,
     render_prompts,
 )
+from mogrpo.train.completions import CompletionLog, completion_rows
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
 from mogrpo.train.tasks import TaskMixer, judges
@@ -94,6 +95,7 @@ class GRPOTrainer:
         self.skipped_updates = 0
         self.last_metrics: dict[str, float] = {}
         self._logged_metrics: dict[str, list[float]] = {}
+        self.completion_log: CompletionLog | None = None  # set by the run when logged
         self.dist = Dist.current()
         self.curriculum = Curriculum(self.config.curriculum,
                                      {t.name: t.config.weight for t in ctx.tasks})
@@ -153,6 +155,18 @@ class GRPOTrainer:
         return TrainerState(global_step=self.step, max_steps=self.config.train.max_steps,
                             epoch=self.mixer.epoch_of(t), is_world_process_zero=self.dist.is_main,
                             is_local_process_zero=os.environ.get("LOCAL_RANK", "0") == "0")
+
+    def log_completions(self, rewards: RewardBatch, advantages: torch.Tensor) -> None:
+        """The step's completions table (`logging.log_completions`), gathered to process 0."""
+        step = self.step + 1
+        if self.completion_log is None or not self.completion_log.due(step):
+            return
+        tasks = self.ctx.tasks
+        rows = completion_rows(step, [t.name for t in tasks], [t.reward_labels for t in tasks],
+                               rewards, advantages)
+        rows = [row for part in self.dist.gather(rows) for row in part]
+        if self.dist.is_main:
+            self.completion_log.write(step, rows)
 
     def logged_metrics(self) -> dict[str, float]:
         """The step's `log_metric` values of the reward functions, each averaged."""
@@ -359,6 +373,7 @@ class GRPOTrainer:
         metrics.update(self.judge_stats())
         metrics.update(self.logged_metrics())
         batch, reward_stats = self.advantages(rewards)
+        self.log_completions(rewards, batch.advantages)
         t2 = time.perf_counter()
         self.reference_logprobs(batch)
         metrics.update(self.update(batch))
