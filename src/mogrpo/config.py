@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from mogrpo.errors import ConfigError
 from mogrpo.sections import (
     AlgorithmConfig,
+    DataSource,
     EvalConfig,
     KLControlConfig,
     LoggingConfig,
@@ -39,7 +40,7 @@ from mogrpo.sections import (
 ENV_PREFIX = "MOGRPO_"
 
 __all__ = [  # the sections (from mogrpo.sections) and the loading API
-    "AlgorithmConfig", "EvalConfig", "KLControlConfig", "LoggingConfig", "LoraConfig",
+    "AlgorithmConfig", "DataSource", "EvalConfig", "KLControlConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "OutputConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig",
     "Section", "TaskConfig", "TrainConfig", "ENV_PREFIX", "Sourced", "check_unknown_keys",
     "derive_lengths", "describe", "env_overrides", "field_reference", "flatten", "load_config",
@@ -362,11 +363,19 @@ def to_yaml(config: RunConfig) -> str:
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel], str] | None:
-    """`list[Section]` → (Section, "[]."); `Section | None` → (Section, "."); else None."""
+    """`list[Section]` → (Section, "[]."); `Section | None` and `str | Section` → (Section, ".");
+    else None."""
     args = [a for a in get_args(annotation) if a is not type(None)]
-    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-        return args[0], "[]." if get_origin(annotation) is list else "."
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    if len(models) == 1 and (len(args) == 1 or get_origin(annotation) is not list):
+        return models[0], "[]." if get_origin(annotation) is list else "."
     return None
+
+
+def _scalar_or_section(annotation: Any) -> bool:
+    """`str | Section` (e.g. `data`): a value of its own as well as a section."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return len(args) > 1 and _nested_model(annotation) is not None
 
 
 def field_reference() -> str:
@@ -384,8 +393,8 @@ def field_reference() -> str:
                 walk(TaskConfig, "tasks.NAME.")
                 continue
             nested = _nested_model(annotation)
-            if nested is not None:  # a list of sections, or an optional section
-                walk(nested[0], key + nested[1])
+            if nested is not None and not _scalar_or_section(annotation):
+                walk(nested[0], key + nested[1])  # a list of sections, or an optional section
                 continue
             default = "required" if info.is_required() else (
                 "{}" if info.default_factory is dict else
@@ -397,10 +406,15 @@ def field_reference() -> str:
                 kind = " / ".join(map(str, get_args(annotation)))
             elif literal:  # an optional choice: `a / b / null`
                 kind = " / ".join([*map(str, get_args(literal[0])), "null"])
+            elif nested is not None:
+                kind = " | ".join("{…}" if a is nested[0] else getattr(a, "__name__", str(a))
+                                    for a in get_args(annotation)).replace("NoneType", "None")
             else:
                 kind = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
             cells = [f"`{key}`", kind, default, (info.description or "").replace("\n", " ")]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            if nested is not None:  # `str | Section`: its own row, then the section's
+                walk(nested[0], key + nested[1])
 
     walk(RunConfig, "")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mogrpo.config_base import Section
 from mogrpo.curriculum import CurriculumConfig
@@ -95,10 +95,38 @@ class KLControlConfig(Section):
         return {"band": self.high, "proportional": self.target}.get(self.kind)
 
 
+class DataSource(Section):
+    hub: str | None = None
+    """A Hugging Face Hub dataset as `datasets.load_dataset` names it, e.g. `openai/gsm8k`."""
+    path: str | None = None
+    """A local dataset: a `save_to_disk` folder, a Parquet or Arrow file, or JSONL/CSV/TSV."""
+    config: str | None = None
+    """The dataset's configuration (subset), e.g. `main`."""
+    split: str = "train"
+    """The split to read."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to pin the data to."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Renames, {dataset column: name mogrpo and the rewards see}, e.g. {problem: prompt}."""
+    streaming: bool = False
+    """Read rows as training draws them instead of loading the split (data larger than
+    memory): shuffled through a buffer per pass, resumed exactly; the first rows are checked
+    before the model loads, the rest as they arrive."""
+    shuffle_buffer: int = Field(10_000, ge=1)
+    """Streaming: rows in the shuffle buffer."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSource:
+        if (self.hub is None) == (self.path is None):
+            raise ValueError("give exactly one of `hub` (a Hub dataset) and `path` (a local one)")
+        return self
+
+
 class TaskConfig(Section):
-    data: str
-    """Prompt data: a JSONL/CSV/TSV file, or `builtin:NAME` for a built-in synthetic task."""
-    eval_data: str | None = None
+    data: str | DataSource
+    """Prompt data: a JSONL/CSV/TSV/Parquet/Arrow file, a `save_to_disk` folder, `builtin:NAME`
+    for a built-in synthetic task, or {hub: NAME, split: …, columns: {…}} (see `data.*`)."""
+    eval_data: str | DataSource | None = None
     """Held-out prompts for the greedy evaluation; default: `eval_size` rows split off `data`."""
     eval_size: int = Field(0, ge=0)
     """Rows split off `data` for evaluation when `eval_data` is not given (0 = no eval)."""
