@@ -50,7 +50,8 @@ class LoraConfig(Section):
 class RewardConfig(Section):
     fn: str
     """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
-    over an OpenAI-compatible API, options under `kwargs`), or `package.module:function`."""
+    over an OpenAI-compatible API, options under `kwargs`), `reward_model` (a sequence-classification
+    model, options under `kwargs`), or `package.module:function` / `path/file.py:function`."""
     weight: float | dict[str, Any] = 1.0
     """Weight of this objective in the advantage: a number, or a schedule
     `{kind: linear, start: 0.0, end: 1.0, start_step: 0, end_step: 100}`."""

@@ -29,7 +29,7 @@ from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.evaluation import QuickEval
 from mogrpo.health import HealthStop
-from mogrpo.memory import estimate
+from mogrpo.memory import estimate, reward_model_configs
 from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
@@ -270,7 +270,8 @@ def _finish(ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval,
 def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
     """The planner's estimate for this run, logged next to the measured peak of each step."""
     try:
-        est = estimate(ctx.policy.config, config, device=ctx.device.type)
+        est = estimate(ctx.policy.config, config, device=ctx.device.type,
+                       reward_models=reward_model_configs(config))
     except MogrpoError as err:  # e.g. an architecture the planner does not model
         log.info("memory estimate unavailable: %s", err)
         return None

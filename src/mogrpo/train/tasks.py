@@ -21,6 +21,7 @@ from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_
 from mogrpo.errors import DataError
 from mogrpo.rewards.base import check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
+from mogrpo.rewards.reward_model import RewardModelReward
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,12 @@ def _split(name: str, tc: TaskConfig, seed: int
 
 def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
             ) -> tuple[str, Callable, dict[str, Any]]:
-    """(label, callable, per-call kwargs). A `judge` is built once from its options (they are
-    consumed here, not passed per call); everything else resolves by name or import path."""
+    """(label, callable, per-call kwargs). A `judge` or `reward_model` is built once from its
+    options (consumed here, not passed per call); everything else resolves by name or path."""
+    if reward.fn.strip() == "reward_model":
+        model = RewardModelReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
+                                               policy_device=config.device)
+        return reward.label, model, {}
     if reward.fn.strip() == "judge":
         judge = JudgeReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
                                          cache_dir=Path(config.output.dir))
