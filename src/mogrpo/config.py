@@ -145,8 +145,10 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     environ: Mapping[str, str] | None = None,
     base: Mapping[str, Any] | None = None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> tuple[RunConfig, dict[str, str]]:
-    """Resolve defaults < `base` < file < environment < `--set` into a validated RunConfig.
+    """Resolve defaults < `base` < file < environment < `arguments` (keyword arguments of
+    `mogrpo.Config`) < `--set` into a validated RunConfig.
 
     Returns the config and the origin of every value that did not come from the defaults.
     """
@@ -157,6 +159,8 @@ def load_config(
         sourced.merge(read_yaml(path), f"file {path}")
     for dotted, (name, value) in env_overrides(os.environ if environ is None else environ).items():
         sourced.merge(_nested(dotted, value), f"env {name}")
+    if arguments:
+        sourced.merge(arguments, "Python argument")
     for item in overrides:
         dotted, value = parse_set(item)
         sourced.merge(_nested(dotted, value), f"--set {dotted}")

@@ -6,9 +6,11 @@ Loading, layering and validation live in `mogrpo.config`, which re-exports these
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from mogrpo.config_base import Section
 from mogrpo.curriculum import CurriculumConfig
@@ -47,11 +49,26 @@ class LoraConfig(Section):
     """Module names to adapt, e.g. [q_proj, k_proj, v_proj, o_proj], or `all-linear`."""
 
 
+def callable_spec(fn: Callable[..., Any]) -> str:
+    """How a reward passed as a Python callable is written in config.yaml: `module:function`
+    when that import path gives back this very object, else `python:NAME` (resumable only
+    from Python, passing the function again)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if module and qualname and module != "__main__" and module in sys.modules:
+        found: Any = sys.modules[module]
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is fn:
+            return f"{module}:{qualname}"
+    return f"python:{getattr(fn, '__name__', type(fn).__name__)}"
+
+
 class RewardConfig(Section):
-    fn: str
+    fn: str | Callable[..., Any]
     """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
     over an OpenAI-compatible API, options under `kwargs`), `reward_model` (a sequence-classification
-    model, options under `kwargs`), or `package.module:function` / `path/file.py:function`."""
+    model, options under `kwargs`), or `package.module:function` / `path/file.py:function`; from
+    Python, the function itself."""
     weight: float | dict[str, Any] = 1.0
     """Weight of this objective in the advantage: a number, or a schedule
     `{kind: linear, start: 0.0, end: 1.0, start_step: 0, end_step: 100}`."""
@@ -62,7 +79,15 @@ class RewardConfig(Section):
 
     @property
     def label(self) -> str:
-        return self.name or self.fn.rsplit(":", 1)[-1]
+        if self.name:
+            return self.name
+        if callable(self.fn):
+            return getattr(self.fn, "__name__", type(self.fn).__name__)
+        return self.fn.rsplit(":", 1)[-1]
+
+    @field_serializer("fn", when_used="json")
+    def _spec(self, fn: str | Callable[..., Any]) -> str:
+        return fn if isinstance(fn, str) else callable_spec(fn)
 
 
 class KLControlConfig(Section):
@@ -156,9 +181,10 @@ class TaskConfig(Section):
     @field_validator("rewards", mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
-        # `rewards: [mc_correct, format]` is shorthand for `[{fn: mc_correct}, {fn: format}]`.
+        # `rewards: [mc_correct, format]` is shorthand for `[{fn: mc_correct}, {fn: format}]`,
+        # and from Python `rewards: [accuracy_reward]` for `[{fn: accuracy_reward}]`.
         if isinstance(value, list):
-            return [{"fn": v} if isinstance(v, str) else v for v in value]
+            return [{"fn": v} if isinstance(v, str) or callable(v) else v for v in value]
         return value
 
 

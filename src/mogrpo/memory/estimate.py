@@ -341,7 +341,7 @@ def reward_model_specs(run: RunConfig) -> dict[str, dict[str, Any]]:
     """The `fn: reward_model` rewards of `run` that run on the policy's device, by config path."""
     return {f"tasks.{name}.rewards.{i}": r.kwargs for name, task in run.tasks.items()
             for i, r in enumerate(task.rewards)
-            if r.fn.strip() == "reward_model" and r.kwargs.get("device", "policy") != "cpu"}
+            if isinstance(r.fn, str) and r.fn.strip() == "reward_model" and r.kwargs.get("device", "policy") != "cpu"}
 
 
 def _reward_model_terms(run: RunConfig, configs: Mapping[str, Any], device: str, w: int

@@ -79,6 +79,12 @@ def resolve_reward(spec: str) -> Callable[..., Any]:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardError(f"reward function spec {spec!r} is empty; give {_FORMS}")
     spec = spec.strip()
+    if spec.startswith("python:"):
+        raise RewardError(
+            f"reward {spec!r} was a Python function passed to mogrpo.train(); a run from the "
+            "command line cannot import it: resume it from Python, passing the function again, "
+            "or move it to a module and give package.module:function or path/to/file.py:function"
+        )
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:

@@ -19,7 +19,7 @@ from mogrpo.config import RewardConfig, RunConfig, TaskConfig
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_stream
 from mogrpo.errors import DataError
-from mogrpo.rewards.base import check_reward_call, resolve_reward
+from mogrpo.rewards.base import check_positional_only, check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
 from mogrpo.rewards.reward_model import RewardModelReward
 
@@ -80,6 +80,9 @@ def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
             ) -> tuple[str, Callable, dict[str, Any]]:
     """(label, callable, per-call kwargs). A `judge` or `reward_model` is built once from its
     options (consumed here, not passed per call); everything else resolves by name or path."""
+    if callable(reward.fn):  # passed from Python
+        check_positional_only(reward.fn, reward.label)
+        return reward.label, reward.fn, dict(reward.kwargs)
     if reward.fn.strip() == "reward_model":
         model = RewardModelReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
                                                policy_device=config.device)
