@@ -10,9 +10,14 @@ __all__ = ["Config", "__version__", "train"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so `import mogrpo` (and the CLI's start) stays light.
-    if name in ("Config", "train"):
-        from mogrpo import api
+    # Imported on first use, so `import mogrpo` (and the CLI's start) stays light. `train` is
+    # the package `mogrpo.train`, made callable: it runs `mogrpo.api.train`.
+    if name == "Config":
+        from mogrpo.api import Config
 
-        return getattr(api, name)
+        return Config
+    if name == "train":
+        import mogrpo.train
+
+        return mogrpo.train
     raise AttributeError(f"module 'mogrpo' has no attribute {name!r}")

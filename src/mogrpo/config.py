@@ -414,7 +414,8 @@ def field_reference() -> str:
                 kind = " | ".join("{…}" if a is nested[0] else getattr(a, "__name__", str(a))
                                     for a in get_args(annotation)).replace("NoneType", "None")
             else:
-                kind = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+                kind = getattr(annotation, "__name__", None) or str(annotation).replace(
+                    "typing.", "").replace("collections.abc.Callable[..., Any]", "function")
             cells = [f"`{key}`", kind, default, (info.description or "").replace("\n", " ")]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
             if nested is not None:  # `str | Section`: its own row, then the section's

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import yaml
 
-import mogrpo
 from mogrpo import Config
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, RewardError
@@ -54,7 +53,16 @@ def test_reward_callables_are_kept_and_written_as_import_paths():
         resolve_reward(written[2]["fn"])
 
 
-def test_top_level_names():
-    assert mogrpo.Config is Config and callable(mogrpo.train)
+def test_top_level_names(monkeypatch):
+    import mogrpo.api
+    import mogrpo.train.grpo  # noqa: F401 - binds `mogrpo.train` to the package
+
+    calls = []
+    monkeypatch.setattr(mogrpo.api, "train", lambda *a, **k: calls.append((a, k)) or "summary")
+    from mogrpo import train
+
+    assert train("run.yaml", resume="auto") == "summary"  # the package forwards to the function
+    assert calls == [(("run.yaml",), {"resume": "auto"})]
+    assert mogrpo.Config is Config
     with pytest.raises(AttributeError, match="no attribute 'trainer'"):
         mogrpo.trainer  # noqa: B018
