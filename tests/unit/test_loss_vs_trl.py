@@ -17,6 +17,7 @@ and the gradient with respect to the log-probs agree to 1e-6.
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -120,7 +121,8 @@ CASES = list(itertools.product(LOSS_TYPES, ("token", "sequence"), KL_MODES,
 
 @pytest.mark.parametrize("loss_type,level,kl,policy,mask_trunc,micro", CASES)
 def test_loss_and_gradient_match_trl(loss_type, level, kl, policy, mask_trunc, micro):
-    data = make_tensors(seed=hash((loss_type, level)) % 1000, off_policy=policy == "off_policy")
+    seed = zlib.crc32(f"{loss_type}/{level}".encode()) % 1000  # the same tensors every run
+    data = make_tensors(seed=seed, off_policy=policy == "off_policy")
     beta, kl_weight = KL_MODES[kl]
     mask = mask_truncated(data["mask"], data["truncated"]) if mask_trunc else data["mask"]
     splits = [list(range(B))] if micro == 1 else [[0, 1, 2], [3, 4, 5]]
@@ -136,7 +138,7 @@ def test_loss_and_gradient_match_trl(loss_type, level, kl, policy, mask_trunc, m
     theirs = trl_loss(trainer, data, mask, theirs_logp, splits)
     theirs.backward()
 
-    assert theirs.abs().item() > 1e-4  # a loss that is not trivially zero
+    assert theirs_logp.grad.abs().max() > 1e-3  # a gradient that is not trivially zero
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6, rel=1e-6)
     torch.testing.assert_close(ours_logp.grad, theirs_logp.grad, atol=1e-6, rtol=1e-6)
 

@@ -89,6 +89,49 @@ class LossOutput:
     """Scalar mean importance ratio over this micro-batch's completion tokens."""
 
 
+def _check_arguments(aggregation: str, kl_estimator: str, kl_importance_weight: bool | str,
+                     epsilon_low: float, epsilon_high: float, normalizer: float) -> str:
+    """Reject bad settings; returns the KL weighting's name (`True` → "detached")."""
+    _check_aggregation(aggregation)
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(
+            f"kl_estimator={kl_estimator!r} is not supported; choose one of {list(KL_ESTIMATORS)}"
+        )
+    kl_weight = {True: "detached", False: "off"}.get(kl_importance_weight, kl_importance_weight)
+    if kl_weight not in KL_IMPORTANCE_WEIGHTS:
+        raise ConfigError(f"kl_importance_weight={kl_importance_weight!r} is not supported; "
+                          f"choose one of {list(KL_IMPORTANCE_WEIGHTS)}")
+    if not (0.0 <= epsilon_low < 1.0) or epsilon_high < 0.0:
+        raise ConfigError(
+            f"clip range epsilon_low={epsilon_low!r}, epsilon_high={epsilon_high!r} is invalid; "
+            "need 0 <= epsilon_low < 1 and epsilon_high >= 0"
+        )
+    if not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer!r}; use loss_normalizer()")
+    return str(kl_weight)
+
+
+def _kl_penalty(logp: Tensor, ref_logp: Tensor | None, mask: Tensor, w: Tensor,
+                beta: Tensor | float, estimator: str, weight: str) -> tuple[Tensor, Tensor]:
+    """(β · KL term per token [B, T] (0 without `ref_logp`), per-sequence mean KL [B])."""
+    dtype, B = logp.dtype, logp.shape[0]
+    beta_t = torch.as_tensor(beta, dtype=dtype, device=logp.device)
+    if beta_t.ndim == 1:
+        if beta_t.shape[0] != B:
+            raise ValueError(f"beta has {beta_t.shape[0]} entries for {B} sequences")
+        beta_t = beta_t.unsqueeze(-1)  # [B, 1]
+    if ref_logp is None:
+        if bool((beta_t != 0).any()):
+            raise ValueError("beta != 0 needs ref_logp: the KL penalty would be silently dropped")
+        return torch.zeros_like(logp), torch.zeros(B, dtype=dtype, device=logp.device)
+    ref_logp = torch.where(mask, ref_logp.to(dtype), 0.0)
+    kl_tok = kl_estimate(logp, ref_logp, estimator)  # [B, T]
+    # w is [B, T] or [B, 1]; see grpo_loss for why it may be detached or not
+    kl_term = {"off": kl_tok, "detached": kl_tok * w.detach(), "differentiable": kl_tok * w}[weight]
+    lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)
+    return beta_t * kl_term, (kl_tok.detach() * mask).sum(dim=-1) / lengths
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -133,24 +176,9 @@ def grpo_loss(
     this call's token sum by its own token count. Padded positions (mask 0) never reach the
     loss or its gradient.
     """
-    _check_aggregation(aggregation)
+    kl_weight = _check_arguments(aggregation, kl_estimator, kl_importance_weight, epsilon_low,
+                                 epsilon_high, normalizer)
     variant = variant or LossVariant()
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ConfigError(
-            f"kl_estimator={kl_estimator!r} is not supported; choose one of {list(KL_ESTIMATORS)}"
-        )
-    kl_weight = {True: "detached", False: "off"}.get(kl_importance_weight, kl_importance_weight)
-    if kl_weight not in KL_IMPORTANCE_WEIGHTS:
-        raise ConfigError(f"kl_importance_weight={kl_importance_weight!r} is not supported; "
-                          f"choose one of {list(KL_IMPORTANCE_WEIGHTS)}")
-    if not (0.0 <= epsilon_low < 1.0) or epsilon_high < 0.0:
-        raise ConfigError(
-            f"clip range epsilon_low={epsilon_low!r}, epsilon_high={epsilon_high!r} is invalid; "
-            "need 0 <= epsilon_low < 1 and epsilon_high >= 0"
-        )
-    if not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer!r}; use loss_normalizer()")
-
     mask = completion_mask.bool()  # [B, T]
     dtype = torch.promote_types(logp.dtype, torch.float32)
     # Zero every log-prob at padded positions so pads give ratio 1 and KL 0 and cannot
@@ -165,29 +193,13 @@ def grpo_loss(
     per_token = policy.expand_as(logp)  # [B, T]
 
     lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)  # [B]
-    beta_t = torch.as_tensor(beta, dtype=dtype, device=logp.device)
-    if beta_t.ndim == 1:
-        if beta_t.shape[0] != logp.shape[0]:
-            raise ValueError(f"beta has {beta_t.shape[0]} entries for {logp.shape[0]} sequences")
-        beta_t = beta_t.unsqueeze(-1)  # [B, 1]
-    if ref_logp is not None:
-        ref_logp = torch.where(mask, ref_logp.to(dtype), 0.0)
-        kl_tok = kl_estimate(logp, ref_logp, kl_estimator)  # [B, T]
-        kl_term = {"off": kl_tok, "detached": kl_tok * w.detach(),
-                   "differentiable": kl_tok * w}[kl_weight]
-        per_token = per_token + beta_t * kl_term
-        kl_seq = (kl_tok.detach() * mask).sum(dim=-1) / lengths  # [B]
-    else:
-        if bool((beta_t != 0).any()):
-            raise ValueError("beta != 0 needs ref_logp: the KL penalty would be silently dropped")
-        kl_seq = torch.zeros(logp.shape[0], dtype=dtype, device=logp.device)
-
-    per_token = per_token * mask  # [B, T]
+    penalty, kl_seq = _kl_penalty(logp, ref_logp, mask, w, beta, kl_estimator, kl_weight)
+    per_token = (per_token + penalty) * mask  # [B, T]
     if aggregation == "seq_mean":
         loss = (per_token.sum(dim=-1) / lengths).sum() / normalizer
-    elif aggregation == "micro_token_mean":
+    elif aggregation == "micro_token_mean":  # BNPO: this micro-batch's own token count
         loss = per_token.sum() / mask.sum().clamp(min=1).to(dtype) / normalizer
-    else:
+    else:  # token sums; seq_sum, token_mean and fixed_length differ only in the normaliser
         loss = per_token.sum() / normalizer
 
     with torch.no_grad():

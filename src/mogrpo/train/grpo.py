@@ -321,7 +321,11 @@ class GRPOTrainer:
             "policy/skipped_updates": self.skipped_updates,
             "kl": float(seq_kl.mean()),
         }
-        task_ids = batch.task_ids.cpu()
+        return metrics | self._task_kl(batch.task_ids.cpu(), seq_kl)
+
+    def _task_kl(self, task_ids: torch.Tensor, seq_kl: torch.Tensor) -> dict[str, float]:
+        """Each task's mean KL over its completions, and its β."""
+        metrics = {}
         for t, task in enumerate(self.ctx.tasks):
             mask = task_ids == t
             if mask.any():
