@@ -136,7 +136,7 @@ def mogrpo_order(rows: list[dict[str, Any]], steps: int, settings: Settings) -> 
     """
     from mogrpo.train.tasks import TaskMixer
 
-    task = SimpleNamespace(name=TASK, train=rows, config=SimpleNamespace(weight=1.0))
+    task = SimpleNamespace(name=TASK, train=rows, stream=None, config=SimpleNamespace(weight=1.0))
     mixer = TaskMixer([task], settings.seed)  # type: ignore[list-item]
     order = []
     for _ in range(steps):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from mogrpo.errors import ConfigError
 from mogrpo.sections import (
     AlgorithmConfig,
+    DataSource,
     EvalConfig,
     KLControlConfig,
     LoggingConfig,
@@ -39,7 +40,7 @@ from mogrpo.sections import (
 ENV_PREFIX = "MOGRPO_"
 
 __all__ = [  # the sections (from mogrpo.sections) and the loading API
-    "AlgorithmConfig", "EvalConfig", "KLControlConfig", "LoggingConfig", "LoraConfig",
+    "AlgorithmConfig", "DataSource", "EvalConfig", "KLControlConfig", "LoggingConfig", "LoraConfig",
     "ModelConfig", "OutputConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig",
     "Section", "TaskConfig", "TrainConfig", "ENV_PREFIX", "Sourced", "check_unknown_keys",
     "derive_lengths", "describe", "env_overrides", "field_reference", "flatten", "load_config",
@@ -144,8 +145,10 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     environ: Mapping[str, str] | None = None,
     base: Mapping[str, Any] | None = None,
+    arguments: Mapping[str, Any] | None = None,
 ) -> tuple[RunConfig, dict[str, str]]:
-    """Resolve defaults < `base` < file < environment < `--set` into a validated RunConfig.
+    """Resolve defaults < `base` < file < environment < `arguments` (keyword arguments of
+    `mogrpo.Config`) < `--set` into a validated RunConfig.
 
     Returns the config and the origin of every value that did not come from the defaults.
     """
@@ -156,6 +159,8 @@ def load_config(
         sourced.merge(read_yaml(path), f"file {path}")
     for dotted, (name, value) in env_overrides(os.environ if environ is None else environ).items():
         sourced.merge(_nested(dotted, value), f"env {name}")
+    if arguments:
+        sourced.merge(arguments, "Python argument")
     for item in overrides:
         dotted, value = parse_set(item)
         sourced.merge(_nested(dotted, value), f"--set {dotted}")
@@ -265,10 +270,11 @@ def validate(config: RunConfig) -> None:
                 f"({completion}) = {prompt + completion} exceeds rollout.max_seq_length "
                 f"({ro.max_seq_length}); shorten one of them or raise max_seq_length"
             )
-    if config.algorithm.kl_importance_weight and config.algorithm.num_iterations == 1:
+    if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:
         errors.append(
-            "algorithm.kl_importance_weight = true has no effect with algorithm.num_iterations = 1"
-            " (the ratio is 1); set num_iterations ≥ 2 or turn it off"
+            "algorithm.kl_importance_weight = detached has no effect with "
+            "algorithm.num_iterations = 1 (the ratio is 1); set num_iterations ≥ 2, use "
+            "`differentiable` (TRL's use_bias_correction_kl), or turn it off"
         )
     if config.eval.reward is not None:
         for name, task in config.tasks.items():
@@ -386,11 +392,19 @@ def to_yaml(config: RunConfig) -> str:
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel], str] | None:
-    """`list[Section]` → (Section, "[]."); `Section | None` → (Section, "."); else None."""
+    """`list[Section]` → (Section, "[]."); `Section | None` and `str | Section` → (Section, ".");
+    else None."""
     args = [a for a in get_args(annotation) if a is not type(None)]
-    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-        return args[0], "[]." if get_origin(annotation) is list else "."
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    if len(models) == 1 and (len(args) == 1 or get_origin(annotation) is not list):
+        return models[0], "[]." if get_origin(annotation) is list else "."
     return None
+
+
+def _scalar_or_section(annotation: Any) -> bool:
+    """`str | Section` (e.g. `data`): a value of its own as well as a section."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return len(args) > 1 and _nested_model(annotation) is not None
 
 
 def field_reference() -> str:
@@ -408,19 +422,29 @@ def field_reference() -> str:
                 walk(TaskConfig, "tasks.NAME.")
                 continue
             nested = _nested_model(annotation)
-            if nested is not None:  # a list of sections, or an optional section
-                walk(nested[0], key + nested[1])
+            if nested is not None and not _scalar_or_section(annotation):
+                walk(nested[0], key + nested[1])  # a list of sections, or an optional section
                 continue
             default = "required" if info.is_required() else (
                 "{}" if info.default_factory is dict else
                 "[]" if info.default_factory is list else repr(info.default)
             )
+            literal = [a for a in get_args(annotation) if get_origin(a) is Literal
+                       and type(None) in get_args(annotation)]
             if get_origin(annotation) is Literal:
                 kind = " / ".join(map(str, get_args(annotation)))
+            elif literal:  # an optional choice: `a / b / null`
+                kind = " / ".join([*map(str, get_args(literal[0])), "null"])
+            elif nested is not None:
+                kind = " | ".join("{…}" if a is nested[0] else getattr(a, "__name__", str(a))
+                                    for a in get_args(annotation)).replace("NoneType", "None")
             else:
-                kind = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+                kind = getattr(annotation, "__name__", None) or str(annotation).replace(
+                    "typing.", "").replace("collections.abc.Callable[..., Any]", "function")
             cells = [f"`{key}`", kind, default, (info.description or "").replace("\n", " ")]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            if nested is not None:  # `str | Section`: its own row, then the section's
+                walk(nested[0], key + nested[1])
 
     walk(RunConfig, "")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mogrpo.pareto import ParetoTracker, Point
-from mogrpo.rewards.base import score as score_rewards
+from mogrpo.rewards.base import TrainerState, score_examples
 from mogrpo.rollout.generate import generate_rollout
 from mogrpo.train.common import MetricsWriter, TrainContext, render_prompts
 from mogrpo.train.metrics import format_quick_eval
@@ -33,9 +33,12 @@ class TaskEval:
                 if k not in ("reward", "samples")}
 
 
-def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0) -> dict[str, TaskEval]:
-    """Greedy completions for up to `eval.max_samples` held-out prompts of every task."""
+def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
+             step: int = 0) -> dict[str, TaskEval]:
+    """Greedy completions for up to `eval.max_samples` held-out prompts of every task, scored
+    as at training step `step` (the reward functions' `trainer_state.global_step`)."""
     cfg = ctx.config
+    state = TrainerState(global_step=step, max_steps=cfg.train.max_steps)
     greedy = replace(ctx.sampling, greedy=True)
     results: dict[str, TaskEval] = {}
     for t, task in enumerate(ctx.tasks):
@@ -56,10 +59,9 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0) -> dict[
                 max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
                 engine=ctx.engine,
             )
-            columns = {k: [ex.columns.get(k) for ex in chunk] for k in chunk[0].columns}
-            columns["completion_lengths"] = rollout.lengths.tolist()
-            columns["truncated"] = rollout.truncated.tolist()
-            values = score_rewards([fn], [ex.prompt for ex in chunk], rollout.texts, columns)
+            values = score_examples([fn], chunk, rollout.texts, rollout.completion_ids,
+                                    rollout.lengths.tolist(), rollout.truncated.tolist(),
+                                    trainer_state=state)
             scores.extend(v for v in values[:, 0].tolist() if not math.isnan(v))
             lengths.extend(rollout.lengths.tolist())
             truncated.extend(rollout.truncated.tolist())
@@ -95,7 +97,7 @@ class QuickEval:
 
     def __call__(self, tag: str, step: int, step_metrics: dict[str, float] | None = None
                  ) -> dict[str, float]:
-        results = evaluate(self.ctx, samples=self.ctx.config.eval.print_samples)
+        results = evaluate(self.ctx, samples=self.ctx.config.eval.print_samples, step=step)
         if not results:
             return {}
         step_metrics = step_metrics or {}

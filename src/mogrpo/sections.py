@@ -6,9 +6,11 @@ Loading, layering and validation live in `mogrpo.config`, which re-exports these
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from mogrpo.config_base import Section
 from mogrpo.curriculum import CurriculumConfig
@@ -49,10 +51,26 @@ class LoraConfig(Section):
     """Module names to adapt, e.g. [q_proj, k_proj, v_proj, o_proj], or `all-linear`."""
 
 
+def callable_spec(fn: Callable[..., Any]) -> str:
+    """How a reward passed as a Python callable is written in config.yaml: `module:function`
+    when that import path gives back this very object, else `python:NAME` (resumable only
+    from Python, passing the function again)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if module and qualname and module != "__main__" and module in sys.modules:
+        found: Any = sys.modules[module]
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is fn:
+            return f"{module}:{qualname}"
+    return f"python:{getattr(fn, '__name__', type(fn).__name__)}"
+
+
 class RewardConfig(Section):
-    fn: str
+    fn: str | Callable[..., Any]
     """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
-    over an OpenAI-compatible API, options under `kwargs`), or `package.module:function`."""
+    over an OpenAI-compatible API, options under `kwargs`), `reward_model` (a sequence-classification
+    model, options under `kwargs`), or `package.module:function` / `path/file.py:function`; from
+    Python, the function itself."""
     weight: float | dict[str, Any] = 1.0
     """Weight of this objective in the advantage: a number, or a schedule
     `{kind: linear, start: 0.0, end: 1.0, start_step: 0, end_step: 100}`."""
@@ -63,7 +81,15 @@ class RewardConfig(Section):
 
     @property
     def label(self) -> str:
-        return self.name or self.fn.rsplit(":", 1)[-1]
+        if self.name:
+            return self.name
+        if callable(self.fn):
+            return getattr(self.fn, "__name__", type(self.fn).__name__)
+        return self.fn.rsplit(":", 1)[-1]
+
+    @field_serializer("fn", when_used="json")
+    def _spec(self, fn: str | Callable[..., Any]) -> str:
+        return fn if isinstance(fn, str) else callable_spec(fn)
 
 
 class KLControlConfig(Section):
@@ -97,10 +123,38 @@ class KLControlConfig(Section):
         return {"band": self.high, "proportional": self.target}.get(self.kind)
 
 
+class DataSource(Section):
+    hub: str | None = None
+    """A Hugging Face Hub dataset as `datasets.load_dataset` names it, e.g. `openai/gsm8k`."""
+    path: str | None = None
+    """A local dataset: a `save_to_disk` folder, a Parquet or Arrow file, or JSONL/CSV/TSV."""
+    config: str | None = None
+    """The dataset's configuration (subset), e.g. `main`."""
+    split: str = "train"
+    """The split to read."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to pin the data to."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Renames, {dataset column: name mogrpo and the rewards see}, e.g. {problem: prompt}."""
+    streaming: bool = False
+    """Read rows as training draws them instead of loading the split (data larger than
+    memory): shuffled through a buffer per pass, resumed exactly; the first rows are checked
+    before the model loads, the rest as they arrive."""
+    shuffle_buffer: int = Field(10_000, ge=1)
+    """Streaming: rows in the shuffle buffer."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSource:
+        if (self.hub is None) == (self.path is None):
+            raise ValueError("give exactly one of `hub` (a Hub dataset) and `path` (a local one)")
+        return self
+
+
 class TaskConfig(Section):
-    data: str
-    """Prompt data: a JSONL/CSV/TSV file, or `builtin:NAME` for a built-in synthetic task."""
-    eval_data: str | None = None
+    data: str | DataSource
+    """Prompt data: a JSONL/CSV/TSV/Parquet/Arrow file, a `save_to_disk` folder, `builtin:NAME`
+    for a built-in synthetic task, or {hub: NAME, split: …, columns: {…}} (see `data.*`)."""
+    eval_data: str | DataSource | None = None
     """Held-out prompts for the greedy evaluation; default: `eval_size` rows split off `data`."""
     eval_size: int = Field(0, ge=0)
     """Rows split off `data` for evaluation when `eval_data` is not given (0 = no eval)."""
@@ -129,9 +183,10 @@ class TaskConfig(Section):
     @field_validator("rewards", mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
-        # `rewards: [mc_correct, format]` is shorthand for `[{fn: mc_correct}, {fn: format}]`.
+        # `rewards: [mc_correct, format]` is shorthand for `[{fn: mc_correct}, {fn: format}]`,
+        # and from Python `rewards: [accuracy_reward]` for `[{fn: accuracy_reward}]`.
         if isinstance(value, list):
-            return [{"fn": v} if isinstance(v, str) else v for v in value]
+            return [{"fn": v} if isinstance(v, str) or callable(v) else v for v in value]
         return value
 
 
@@ -219,14 +274,57 @@ class AlgorithmConfig(Section):
     """μ: optimisation passes over each rollout batch."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator from Schulman (2020); k3 is unbiased and always ≥ 0."""
-    kl_importance_weight: bool = False
-    """Weight the KL estimate by the importance ratio when μ > 1 (off-policy correction)."""
-    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length"] = "seq_mean"
-    """Per-sequence mean (GRPO), per-token over the batch (DAPO), or fixed length (Dr. GRPO)."""
+    kl_importance_weight: Literal["off", "detached", "differentiable"] = "off"
+    """Multiply the KL estimate by the importance ratio π/π_old (the samples came from π_old):
+    `differentiable` is TRL's `use_bias_correction_kl` (DeepSeek-V3.2, arXiv 2512.02556), whose
+    gradient is exactly that of KL(π‖π_ref), also at μ = 1; `detached` (`true`) reweights the
+    value only (arXiv 2505.17508), so the gradient is plain k3's — the same for every μ."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = (
+        "grpo"
+    )
+    """Policy loss, as TRL names them: `grpo` (DeepSeekMath, arXiv 2402.03300), `bnpo`
+    (TRL's per-micro-batch token mean), `dr_grpo` (arXiv 2503.20783), `dapo` (arXiv
+    2503.14476), `cispo` (MiniMax-M1, arXiv 2506.13585), `sapo` (arXiv 2511.20347), `luspo`
+    (arXiv 2602.05261; use with sequence-level weights), `vespo` (arXiv 2602.10693)."""
+    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length", "seq_sum",
+                              "micro_token_mean"] | None = None
+    """How token losses are summed up; null = the loss type's own: `seq_mean` (grpo, sapo),
+    `token_mean` (dapo, cispo, vespo), `fixed_length` (dr_grpo), `seq_sum` (luspo),
+    `micro_token_mean` (bnpo; the only one that depends on the micro-batch split)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per sequence from its mean log-ratio (GSPO, arXiv
+    2507.18071)."""
+    delta: float | None = Field(None, gt=1)
+    """Two-sided clipping: also cap the unclipped ratio at δ (> 1 + ε_high) for negative
+    advantages (INTELLECT-2, arXiv 2505.07291); null = off."""
+    cispo_max_ratio: float = Field(5.0, gt=0)
+    """cispo: ε_max, the cap on the detached importance weight (TRL's `epsilon_high` for cispo;
+    ScaleRL, arXiv 2510.13786, uses 5.0)."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """sapo: gate temperature for tokens with positive advantage (arXiv 2511.20347)."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """sapo: gate temperature for tokens with non-positive advantage."""
+    vespo_k_pos: float = Field(2.0, ge=0)
+    """vespo: power k of φ(w) = e^λ w^k e^(−λw) for A ≥ 0 (arXiv 2602.10693)."""
+    vespo_lambda_pos: float = Field(3.0, gt=0)
+    """vespo: decay λ of φ(w) for A ≥ 0."""
+    vespo_k_neg: float = Field(3.0, ge=0)
+    """vespo: power k of φ(w) for A < 0."""
+    vespo_lambda_neg: float = Field(2.0, gt=0)
+    """vespo: decay λ of φ(w) for A < 0."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit the length limit out of the loss (DAPO's overlong filtering,
+    arXiv 2503.14476); they still count in rewards and metrics."""
     dynamic_sampling: bool = False
     """Drop groups whose combined rewards are all equal — they carry no signal (DAPO)."""
     max_refill_rounds: int = Field(0, ge=0)
     """With dynamic sampling, extra rollout rounds per step to refill the dropped groups."""
+
+    @field_validator("kl_importance_weight", mode="before")
+    @classmethod
+    def _kl_weight_bool(cls, value: Any) -> Any:
+        # configs written before the differentiable form: true meant the detached weight
+        return {True: "detached", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class TrainConfig(Section):
@@ -294,6 +392,12 @@ class LoggingConfig(Section):
     """Tracker run name; default: the name of output.dir."""
     mlflow_tracking_uri: str | None = None
     """MLflow tracking URI; default: a local file store, RUN_DIR/mlruns."""
+    log_completions: bool = False
+    """Log every completion of a step — prompt, completion, each reward, advantage and the
+    reward functions' `log_extra` columns — to RUN_DIR/completions.jsonl and the trackers
+    (TensorBoard text, W&B table, MLflow artifact), as TRL's `log_completions` does."""
+    log_completions_every: int = Field(1, ge=1)
+    """Steps between two completions tables (TRL logs one every `logging_steps`)."""
 
 
 class OutputConfig(Section):

@@ -12,6 +12,7 @@ the last logged step. So every tracker ends with one value per step.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -28,6 +29,17 @@ log = logging.getLogger(__name__)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 # Left over from an earlier run, these make wandb.init attach to *that* run (USERS.md #8).
 WANDB_STALE_ENV = ("WANDB_RUN_ID", "WANDB_RESUME")
+
+
+def markdown(columns: list[str], cells: list[list[Any]]) -> str:
+    """A Markdown table (what TensorBoard's text plugin renders)."""
+    def text(value: Any) -> str:
+        shown = "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+        return shown.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(text(v) for v in row) + " |" for row in cells]
+    return "\n".join(lines)
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
@@ -57,6 +69,10 @@ class TensorBoardTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_table(self, name: str, step: int, columns: list[str], cells: list[list[Any]]) -> None:
+        self.writer.add_text(name, markdown(columns, cells), step)
         self.writer.flush()
 
     def state_dict(self) -> dict[str, Any]:
@@ -99,6 +115,11 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_table(self, name: str, step: int, columns: list[str], cells: list[list[Any]]) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=columns, data=cells)}, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
@@ -151,6 +172,12 @@ class MlflowTracker:
         for start in range(0, len(batch), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=batch[start:start + 1000])
 
+    def log_table(self, name: str, step: int, columns: list[str], cells: list[list[Any]]) -> None:
+        # an artifact per logged step: name/step_000020.jsonl, one JSON object per row
+        text = "".join(json.dumps(dict(zip(columns, row, strict=True)), ensure_ascii=False,
+                                  default=str) + "\n" for row in cells)
+        self.client.log_text(self.run_id, text, f"{name}/step_{step:06d}.jsonl")
+
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
 
@@ -188,6 +215,12 @@ class Trackers:
         for tracker in self.trackers.values():
             if tracker.wants(step):
                 tracker.log(numbers, step)
+
+    def log_table(self, name: str, step: int, columns: list[str], cells: list[list[Any]]) -> None:
+        """Send a table (rows of `cells` under `columns`) logged at `step`."""
+        for tracker in self.trackers.values():
+            if tracker.wants(step):
+                tracker.log_table(name, step, columns, cells)
 
     def barrier(self) -> None:
         """Make everything sent so far durable (called with every checkpoint)."""

@@ -130,7 +130,7 @@ def test_config_fields_prints_the_markdown_table(capsys):
     assert out == field_reference() + "\n"
     assert out.startswith("| key | type | default | meaning |\n|---|---|---|---|\n")
     assert "| `train.max_steps` | int | 100 | Optimizer steps of GRPO. |" in out
-    assert "| `tasks.NAME.rewards[].fn` | str | required |" in out
+    assert "| `tasks.NAME.rewards[].fn` | str \\| function | required |" in out
 
 
 def test_docs_config_md_holds_the_current_field_reference():

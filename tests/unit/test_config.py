@@ -165,10 +165,28 @@ def test_bad_set_syntax_and_missing_file(tmp_path):
 
 
 def test_kl_importance_weight_needs_several_passes(cfg_file):
-    with pytest.raises(ConfigError, match="kl_importance_weight = true has no effect"):
+    with pytest.raises(ConfigError, match="kl_importance_weight = detached has no effect"):
         load(cfg_file(), ["algorithm.kl_importance_weight=true"])
     config, _ = load(cfg_file(), ["algorithm.kl_importance_weight=true", "algorithm.num_iterations=2"])
     assert config.algorithm.num_iterations == 2
+    assert config.algorithm.kl_importance_weight == "detached"  # what true meant before
+    config, _ = load(cfg_file(), ["algorithm.kl_importance_weight=differentiable"])
+    assert config.algorithm.kl_importance_weight == "differentiable"  # acts at μ = 1 too
+
+
+def test_loss_type_options_and_old_configs(cfg_file):
+    config, _ = load(cfg_file())
+    algo = config.algorithm
+    assert (algo.loss_type, algo.loss_aggregation, algo.kl_importance_weight) == ("grpo", None, "off")
+    config, _ = load(cfg_file(), ["algorithm.loss_aggregation=token_mean"])  # an older config
+    assert config.algorithm.loss_aggregation == "token_mean"
+    config, _ = load(cfg_file(), ["algorithm.loss_type=luspo",
+                                  "algorithm.importance_sampling_level=sequence"])
+    assert config.algorithm.importance_sampling_level == "sequence"
+    with pytest.raises(ConfigError, match=r"algorithm.loss_type = 'ppo'.*'grpo', 'bnpo'"):
+        load(cfg_file(), ["algorithm.loss_type=ppo"])
+    with pytest.raises(ConfigError, match=r"algorithm.delta = 0.9.*greater than 1"):
+        load(cfg_file(), ["algorithm.delta=0.9"])
 
 
 def test_every_field_is_documented():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mogrpo.algo.loss import LOSS_AGGREGATIONS, grpo_loss, loss_normalizer
+from mogrpo.algo.loss import ALL_AGGREGATIONS, grpo_loss, loss_normalizer
 from mogrpo.errors import ConfigError
 
 LN2 = math.log(2.0)
@@ -38,7 +38,7 @@ def test_loss_normalizer_values():
 
 
 def test_loss_normalizer_errors():
-    with pytest.raises(ConfigError, match="'mean'.*'seq_mean', 'token_mean', 'fixed_length'"):
+    with pytest.raises(ConfigError, match="'mean'.*'seq_mean', 'token_mean', 'fixed_length', 'seq_sum', 'micro_token_mean'"):
         loss_normalizer(MASK, "mean", MAX_LEN)
     with pytest.raises(ConfigError, match="max_completion_length=0"):
         loss_normalizer(MASK, "fixed_length", 0)
@@ -144,7 +144,7 @@ def test_beta_without_ref_is_an_error():
 
 def test_config_errors():
     logp, old_logp = _inputs()
-    with pytest.raises(ConfigError, match=str(list(LOSS_AGGREGATIONS)).replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=str(list(ALL_AGGREGATIONS)).replace("[", r"\[")):
         grpo_loss(logp, old_logp, ADV, MASK, normalizer=2.0, aggregation="sum")
     with pytest.raises(ConfigError, match="kl_estimator='k5'"):
         grpo_loss(logp, old_logp, ADV, MASK, normalizer=2.0, kl_estimator="k5")

@@ -60,3 +60,11 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor
     if estimator == "k2":
         return 0.5 * log_r * log_r
     return _k3(log_r)
+
+
+def sequence_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-sequence mean of the per-token KL estimate over `mask`; [B, T] -> [B] (0 for an
+    empty row). What mogrpo logs and adapts β on."""
+    maskf = mask.to(torch.promote_types(logp.dtype, torch.float32))
+    kl = kl_estimate(logp, ref_logp, estimator)
+    return (torch.where(mask.bool(), kl, 0.0) * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)

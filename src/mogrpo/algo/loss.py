@@ -1,9 +1,10 @@
-"""The GRPO clipped surrogate with a per-sequence KL penalty, and its normaliser.
+"""The GRPO loss: every variant's policy term plus a per-sequence KL penalty, and its normaliser.
 
 The normaliser is computed once per optimizer step over every micro-batch (and process), so
 the loss is a plain sum over tokens/sequences divided by a constant. Summing ``grpo_loss``
 over micro-batches -- backward on each, gradients *accumulated* -- then gives exactly the
-full-batch gradient, however the batch was split.
+full-batch gradient, however the batch was split. The one exception is BNPO's
+``micro_token_mean``, which by definition normalises each micro-batch by its own tokens.
 """
 
 from __future__ import annotations
@@ -14,36 +15,47 @@ import torch
 from torch import Tensor
 
 from mogrpo.algo.kl import KL_ESTIMATORS, kl_estimate
+from mogrpo.algo.surrogates import LossVariant, policy_term
 from mogrpo.errors import ConfigError
 
-LOSS_AGGREGATIONS = ("seq_mean", "token_mean", "fixed_length")
+# Aggregations whose gradient does not depend on how the batch is split.
+LOSS_AGGREGATIONS = ("seq_mean", "token_mean", "fixed_length", "seq_sum")
+# ... and every aggregation, BNPO's split-dependent one included.
+ALL_AGGREGATIONS = (*LOSS_AGGREGATIONS, "micro_token_mean")
+KL_IMPORTANCE_WEIGHTS = ("off", "detached", "differentiable")
 
 
 def _check_aggregation(aggregation: str) -> None:
-    if aggregation not in LOSS_AGGREGATIONS:
+    if aggregation not in ALL_AGGREGATIONS:
         raise ConfigError(
             f"loss aggregation={aggregation!r} is not supported; "
-            f"choose one of {list(LOSS_AGGREGATIONS)}"
+            f"choose one of {list(ALL_AGGREGATIONS)}"
         )
 
 
-def loss_normalizer(completion_mask: Tensor, aggregation: str, max_completion_length: int) -> float:
+def loss_normalizer(completion_mask: Tensor, aggregation: str, max_completion_length: int,
+                    micro_batches: int = 1) -> float:
     """The constant every micro-batch's loss is divided by, for one optimizer step.
 
     ``completion_mask`` [B, T] covers the whole optimizer-step batch (all micro-batches):
       - ``"seq_mean"``: B, the number of sequences (GRPO, DeepSeekMath arXiv 2402.03300);
+      - ``"seq_sum"``: B as well, over per-sequence token *sums* (LUSPO, arXiv 2602.05261);
       - ``"token_mean"``: total completion tokens (token-level loss of DAPO, arXiv 2503.14476);
       - ``"fixed_length"``: B * max_completion_length (Dr. GRPO, arXiv 2503.20783), which
-        removes the length bias of per-sequence means.
-    All three are additive over processes: with several processes, all-reduce (sum) the
+        removes the length bias of per-sequence means;
+      - ``"micro_token_mean"``: ``micro_batches``, the step's number of micro-batches; each
+        micro-batch is further divided by its own token count (BNPO, as TRL computes it).
+    All are additive over processes: with several processes, all-reduce (sum) the
     per-process values. DDP then *averages* gradients over the W processes, so multiply each
     process's loss by W to recover the full-batch gradient. Never returns less than 1.
     """
     _check_aggregation(aggregation)
-    if aggregation == "seq_mean":
+    if aggregation in ("seq_mean", "seq_sum"):
         total = completion_mask.shape[0]
     elif aggregation == "token_mean":
         total = completion_mask.sum().item()
+    elif aggregation == "micro_token_mean":
+        total = micro_batches
     else:
         if max_completion_length < 1:
             raise ConfigError(
@@ -77,6 +89,49 @@ class LossOutput:
     """Scalar mean importance ratio over this micro-batch's completion tokens."""
 
 
+def _check_arguments(aggregation: str, kl_estimator: str, kl_importance_weight: bool | str,
+                     epsilon_low: float, epsilon_high: float, normalizer: float) -> str:
+    """Reject bad settings; returns the KL weighting's name (`True` → "detached")."""
+    _check_aggregation(aggregation)
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(
+            f"kl_estimator={kl_estimator!r} is not supported; choose one of {list(KL_ESTIMATORS)}"
+        )
+    kl_weight = {True: "detached", False: "off"}.get(kl_importance_weight, kl_importance_weight)
+    if kl_weight not in KL_IMPORTANCE_WEIGHTS:
+        raise ConfigError(f"kl_importance_weight={kl_importance_weight!r} is not supported; "
+                          f"choose one of {list(KL_IMPORTANCE_WEIGHTS)}")
+    if not (0.0 <= epsilon_low < 1.0) or epsilon_high < 0.0:
+        raise ConfigError(
+            f"clip range epsilon_low={epsilon_low!r}, epsilon_high={epsilon_high!r} is invalid; "
+            "need 0 <= epsilon_low < 1 and epsilon_high >= 0"
+        )
+    if not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer!r}; use loss_normalizer()")
+    return str(kl_weight)
+
+
+def _kl_penalty(logp: Tensor, ref_logp: Tensor | None, mask: Tensor, w: Tensor,
+                beta: Tensor | float, estimator: str, weight: str) -> tuple[Tensor, Tensor]:
+    """(β · KL term per token [B, T] (0 without `ref_logp`), per-sequence mean KL [B])."""
+    dtype, B = logp.dtype, logp.shape[0]
+    beta_t = torch.as_tensor(beta, dtype=dtype, device=logp.device)
+    if beta_t.ndim == 1:
+        if beta_t.shape[0] != B:
+            raise ValueError(f"beta has {beta_t.shape[0]} entries for {B} sequences")
+        beta_t = beta_t.unsqueeze(-1)  # [B, 1]
+    if ref_logp is None:
+        if bool((beta_t != 0).any()):
+            raise ValueError("beta != 0 needs ref_logp: the KL penalty would be silently dropped")
+        return torch.zeros_like(logp), torch.zeros(B, dtype=dtype, device=logp.device)
+    ref_logp = torch.where(mask, ref_logp.to(dtype), 0.0)
+    kl_tok = kl_estimate(logp, ref_logp, estimator)  # [B, T]
+    # w is [B, T] or [B, 1]; see grpo_loss for why it may be detached or not
+    kl_term = {"off": kl_tok, "detached": kl_tok * w.detach(), "differentiable": kl_tok * w}[weight]
+    lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)
+    return beta_t * kl_term, (kl_tok.detach() * mask).sum(dim=-1) / lengths
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -90,46 +145,45 @@ def grpo_loss(
     ref_logp: Tensor | None = None,
     beta: Tensor | float = 0.0,
     kl_estimator: str = "k3",
-    kl_importance_weight: bool = False,
+    kl_importance_weight: bool | str = False,
+    variant: LossVariant | None = None,
     importance_weights: Tensor | None = None,
 ) -> LossOutput:
-    """Clipped GRPO surrogate plus beta * KL, aggregated and divided by ``normalizer``.
+    """A GRPO-family policy loss plus beta * KL, aggregated and divided by ``normalizer``.
 
     Shapes: logp/old_logp/ref_logp/completion_mask [B, T], advantages [B], beta a scalar or
     [B] (each sequence carries the beta of its task).
 
-    Per token, with ratio = exp(logp - old_logp) (GRPO, DeepSeekMath arXiv 2402.03300):
+    The policy term is ``variant``'s (default: GRPO's clipped surrogate, DeepSeekMath arXiv
+    2402.03300, per token with ratio = exp(logp - old_logp):
     ``-min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)``; a larger
-    ``epsilon_high`` is DAPO's clip-higher (arXiv 2503.14476). With ``ref_logp`` the term
+    ``epsilon_high`` is DAPO's clip-higher, arXiv 2503.14476); see `mogrpo.algo.surrogates`
+    for CISPO, SAPO, VESPO and sequence-level weights (GSPO). With ``ref_logp`` the term
     ``beta * kl_estimate(logp, ref_logp, kl_estimator)`` is added (Schulman 2020).
 
-    ``kl_importance_weight``: when the batch is reused for mu > 1 passes, its tokens were
-    sampled from pi_old, not the current pi, so the plain KL estimate targets the wrong
-    expectation. Multiplying it by the detached ratio pi/pi_old reweights the samples back to
-    pi (Zhang et al., "On the Design of KL-Regularized Policy Gradient Algorithms for LLM
-    Reasoning", arXiv 2505.17508). The ratio is 1 on the first pass.
+    ``kl_importance_weight`` multiplies the KL estimate by the importance weight w = π/π_old
+    (at the variant's level), since the tokens were sampled from π_old, not π:
+    ``"differentiable"`` (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2 arXiv 2512.02556)
+    keeps w in the graph; with k3 the gradient is then E_π[(log π − log π_ref) ∇log π], the
+    exact gradient of KL(π‖π_ref) — even at w = 1, so it changes a μ = 1 run too.
+    ``"detached"`` (or ``True``) multiplies by sg(w) (Zhang et al. arXiv 2505.17508): the
+    estimate's *value* is reweighted to π, while the gradient stays that of plain k3 on
+    samples of π, i.e. of KL(π_ref‖π) — identical to a μ = 1 run, so β means the same for
+    every μ. ``"off"`` / ``False``: no weight.
 
     ``importance_weights`` [B, T] (detached) multiply the surrogate term of each token, not the
     KL term: the truncated correction for tokens sampled by another engine than the trainer
     (:func:`mogrpo.algo.importance.truncated_importance_weights`), as TRL applies it.
 
     ``aggregation`` (see :func:`loss_normalizer` for the matching ``normalizer``):
-    ``"seq_mean"`` sums each sequence's token mean; ``"token_mean"`` and ``"fixed_length"``
-    sum all tokens. Padded positions (mask 0) never reach the loss or its gradient.
+    ``"seq_mean"`` sums each sequence's token mean; ``"seq_sum"`` each sequence's token sum;
+    ``"token_mean"`` and ``"fixed_length"`` sum all tokens; ``"micro_token_mean"`` divides
+    this call's token sum by its own token count. Padded positions (mask 0) never reach the
+    loss or its gradient.
     """
-    _check_aggregation(aggregation)
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ConfigError(
-            f"kl_estimator={kl_estimator!r} is not supported; choose one of {list(KL_ESTIMATORS)}"
-        )
-    if not (0.0 <= epsilon_low < 1.0) or epsilon_high < 0.0:
-        raise ConfigError(
-            f"clip range epsilon_low={epsilon_low!r}, epsilon_high={epsilon_high!r} is invalid; "
-            "need 0 <= epsilon_low < 1 and epsilon_high >= 0"
-        )
-    if not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer!r}; use loss_normalizer()")
-
+    kl_weight = _check_arguments(aggregation, kl_estimator, kl_importance_weight, epsilon_low,
+                                 epsilon_high, normalizer)
+    variant = variant or LossVariant()
     mask = completion_mask.bool()  # [B, T]
     dtype = torch.promote_types(logp.dtype, torch.float32)
     # Zero every log-prob at padded positions so pads give ratio 1 and KL 0 and cannot
@@ -138,42 +192,27 @@ def grpo_loss(
     old_logp = torch.where(mask, old_logp.to(dtype), 0.0)
     adv = advantages.to(dtype).unsqueeze(-1)  # [B, 1]
 
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    # w, and the policy term, are [B, T] per token or [B, 1] per sequence (broadcast below)
+    policy, clipped, w = policy_term(variant, logp, old_logp, adv, mask, epsilon_low,
+                                     epsilon_high)
+    per_token = policy.expand_as(logp)  # [B, T]
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach().to(dtype)
 
     lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)  # [B]
-    beta_t = torch.as_tensor(beta, dtype=dtype, device=logp.device)
-    if beta_t.ndim == 1:
-        if beta_t.shape[0] != logp.shape[0]:
-            raise ValueError(f"beta has {beta_t.shape[0]} entries for {logp.shape[0]} sequences")
-        beta_t = beta_t.unsqueeze(-1)  # [B, 1]
-    if ref_logp is not None:
-        ref_logp = torch.where(mask, ref_logp.to(dtype), 0.0)
-        kl_tok = kl_estimate(logp, ref_logp, kl_estimator)  # [B, T]
-        kl_term = kl_tok * ratio.detach() if kl_importance_weight else kl_tok
-        per_token = per_token + beta_t * kl_term
-        kl_seq = (kl_tok.detach() * mask).sum(dim=-1) / lengths  # [B]
-    else:
-        if bool((beta_t != 0).any()):
-            raise ValueError("beta != 0 needs ref_logp: the KL penalty would be silently dropped")
-        kl_seq = torch.zeros(logp.shape[0], dtype=dtype, device=logp.device)
-
-    per_token = per_token * mask  # [B, T]
+    penalty, kl_seq = _kl_penalty(logp, ref_logp, mask, w, beta, kl_estimator, kl_weight)
+    per_token = (per_token + penalty) * mask  # [B, T]
     if aggregation == "seq_mean":
         loss = (per_token.sum(dim=-1) / lengths).sum() / normalizer
-    else:
+    elif aggregation == "micro_token_mean":  # BNPO: this micro-batch's own token count
+        loss = per_token.sum() / mask.sum().clamp(min=1).to(dtype) / normalizer
+    else:  # token sums; seq_sum, token_mean and fixed_length differ only in the normaliser
         loss = per_token.sum() / normalizer
 
     with torch.no_grad():
-        clip_active = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | (
-            (ratio > 1.0 + epsilon_high) & (adv > 0)
-        )
         num_tokens = int(mask.sum().item())
-        clip_count = (clip_active & mask).sum().to(dtype)
-        ratio_mean = (ratio * mask).sum() / max(num_tokens, 1)
+        clip_count = (clipped.expand_as(mask) & mask).sum().to(dtype)
+        ratio_mean = (w.expand_as(logp) * mask).sum() / max(num_tokens, 1)
     return LossOutput(
         loss=loss,
         kl=kl_seq,

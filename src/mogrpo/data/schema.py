@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 DATA_FORMATS = ("auto", "prompt", "chat", "multiple_choice")
 CHAT_ROLES = ("system", "user", "assistant")
 # Names the trainer itself passes to reward functions; a column with one of them would clash.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_lengths", "truncated")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                    "log_metric", "completion_lengths", "truncated")
 MC_INSTRUCTION = "Answer with the letter of the correct option."
 
 _OPTION_COLUMN = re.compile(r"option_([A-Za-z])")
@@ -341,19 +342,12 @@ def parse_examples(
     examples: list[Example] = []
     dropped: list[tuple[Record, str]] = []
     for rec in records:
-        where = f"{rec.source} row {rec.row}"
-        reserved = [c for c in RESERVED_COLUMNS if c in rec.data]
-        if reserved:
-            raise DataError(
-                f"{where}: column {reserved[0]!r} has a name mogrpo passes to reward functions "
-                f"itself ({', '.join(RESERVED_COLUMNS)}); rename the column"
-            )
         try:
-            examples.append(parse(rec, where, prompt_template))
+            examples.append(_parse_one(parse, rec, prompt_template))
         except _Incomplete as e:
             if not drop_incomplete:
                 raise DataError(
-                    f"{where}: column {e.column!r} is empty; fill it, remove the row, or set "
+                    f"{rec.source} row {rec.row}: column {e.column!r} is empty; fill it, remove the row, or set "
                     "`drop_incomplete: true` to skip rows with empty fields (the row has columns: "
                     f"{', '.join(rec.data)})"
                 ) from None
@@ -371,6 +365,37 @@ def parse_examples(
             f"(first: row {first.row}, column {column!r}); fill the fields or check the columns"
         )
     return examples
+
+
+def _parse_one(parse: Any, rec: Record, prompt_template: str | None) -> Example:
+    where = f"{rec.source} row {rec.row}"
+    reserved = [c for c in RESERVED_COLUMNS if c in rec.data]
+    if reserved:
+        raise DataError(
+            f"{where}: column {reserved[0]!r} has a name mogrpo passes to reward functions "
+            f"itself ({', '.join(RESERVED_COLUMNS)}); rename the column"
+        )
+    return parse(rec, where, prompt_template)
+
+
+def detect_format(records: list[Record]) -> str:
+    """The format `auto` resolves to for these records."""
+    return _detect_format(records)
+
+
+def parse_row(rec: Record, format: str, *, prompt_template: str | None = None,
+              drop_incomplete: bool = False) -> Example | None:
+    """One record of a known format (a streamed row), with the checks of `parse_examples`;
+    None for an incomplete row when `drop_incomplete`."""
+    try:
+        return _parse_one(_PARSERS[format], rec, prompt_template)
+    except _Incomplete as e:
+        if not drop_incomplete:
+            raise DataError(
+                f"{rec.source} row {rec.row}: column {e.column!r} is empty; fill it, remove the "
+                "row, or set `drop_incomplete: true` to skip rows with empty fields"
+            ) from None
+        return None
 
 
 def load_examples(path: str | Path, **kwargs: Any) -> list[Example]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mogrpo.config import RunConfig, derive_lengths
-from mogrpo.errors import ConfigError, ModelError
+from mogrpo.errors import ConfigError, ModelError, MogrpoError
 
 GIB = 2**30
 CUDA_OVERHEAD = GIB
@@ -41,7 +41,7 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 an 8-bit absmax per 64-weight block and an fp32 constant per 256 blocks = 4.127 bits."""
 ADAPTER_BYTES = 4  # peft's autocast_adapter_dtype keeps LoRA weights in fp32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PHASES = ("always", "generation", "training", "optimizer step", "SFT warm-up")
+PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
 
 
 @dataclass(frozen=True)
@@ -200,12 +200,15 @@ def layer_activation_bytes(shape: ModelShape, p: int, *, full_ft: bool, lora: li
 
 def estimate(model_config: Mapping[str, Any] | Any, run: RunConfig, *,
              dtype_bytes: int | None = None, device: str = "cuda",
-             master_weights: bool = False) -> MemoryEstimate:
+             master_weights: bool = False,
+             reward_models: Mapping[str, Any] | None = None) -> MemoryEstimate:
     """Estimate the peak memory of `run` on one `device` ("cuda" or "cpu") for this model.
 
     `dtype_bytes` overrides the weight dtype (`model.dtype`; `auto` = bf16 on CUDA, fp32 on
     CPU). The optimizer is mogrpo's: torch AdamW, states in the trainable parameters' dtype;
     `master_weights=True` models mixed precision instead (fp32 master copy + fp32 m, v).
+    `reward_models` maps each `fn: reward_model` reward (`tasks.NAME.rewards.I`) to its
+    config (see :func:`reward_model_configs`); one left out is not counted, and said so.
     """
     shape = ModelShape.from_config(model_config)
     mc, lc = run.model, run.lora
@@ -219,6 +222,8 @@ def estimate(model_config: Mapping[str, Any] | Any, run: RunConfig, *,
     p = 4 if mc.load_in_4bit else w
     terms = _resident_terms(shape, run, w, device, master_weights) + _phase_terms(shape, run, p,
                                                                                   device)
+    rm_terms, rm_notes = _reward_model_terms(run, reward_models or {}, device, w)
+    terms += rm_terms
     terms.sort(key=lambda t: PHASES.index(t.phase))  # stable: resident first, then by phase
     prompt, completion = derive_lengths(run.rollout)
     title = (f"memory estimate: {shape.params() / 1e9:.2f} B params, {w} B weights"
@@ -231,7 +236,7 @@ def estimate(model_config: Mapping[str, Any] | Any, run: RunConfig, *,
         "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
         "gradients resident: from the 2nd micro-batch and through the next generation on "
-        "(with accumulation 1, the 1st micro-batch peaks before they exist)"]
+        "(with accumulation 1, the 1st micro-batch peaks before they exist)", *rm_notes]
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, run.train.micro_batch_size, prompt + completion,
                                     completion + 1)[0] for gc in (False, True)}
@@ -330,6 +335,55 @@ def _phase_terms(shape: ModelShape, run: RunConfig, p: int, device: str) -> list
         _add(terms, "sft_logits", "SFT logits", sft.batch_size * sft.max_length * shape.vocab * (
             p + 4 + (4 if p < 4 else 0)), "SFT warm-up", "logits, fp32 copy and log-softmax")
     return terms
+
+
+def reward_model_specs(run: RunConfig) -> dict[str, dict[str, Any]]:
+    """The `fn: reward_model` rewards of `run` that run on the policy's device, by config path."""
+    return {f"tasks.{name}.rewards.{i}": r.kwargs for name, task in run.tasks.items()
+            for i, r in enumerate(task.rewards)
+            if isinstance(r.fn, str) and r.fn.strip() == "reward_model" and r.kwargs.get("device", "policy") != "cpu"}
+
+
+def _reward_model_terms(run: RunConfig, configs: Mapping[str, Any], device: str, w: int
+                        ) -> tuple[list[Term], list[str]]:
+    """Each reward model on the policy's device: its weights (resident: it stays loaded) and
+    one scoring batch's working set (no_grad, one layer at a time, no KV cache)."""
+    from mogrpo.rewards.reward_model import model_params
+
+    terms: list[Term] = []
+    notes: list[str] = []
+    prompt, completion = derive_lengths(run.rollout)
+    for where, options in reward_model_specs(run).items():
+        config = configs.get(where)
+        if config is None:
+            notes.append(f"reward model {options.get('model')} ({where}) not counted: its "
+                         "config.json was not available")
+            continue
+        shape = ModelShape.from_config(config)
+        rm_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(options.get("dtype", "auto"),
+                                                                   4 if device == "cpu" else w)
+        params = model_params(config)
+        _add(terms, f"reward_model:{where}", f"reward model ({where})", params * rm_bytes,
+             "always", f"{params / 1e9:.2f} B × {rm_bytes} B, {options.get('model')}")
+        batch, seq = options.get("batch_size", 16), prompt + completion
+        _add(terms, f"reward_scoring:{where}", f"reward scoring ({where})",
+             batch * seq * rm_bytes * (2 * shape.hidden + 3 * shape.intermediate),
+             "reward models", f"{batch} texts × {seq} tokens, one layer at a time")
+    return terms, notes
+
+
+def reward_model_configs(run: RunConfig) -> dict[str, Any]:
+    """The config of every reward model `reward_model_specs` lists that can be read offline."""
+    from mogrpo.memory.cli import load_model_config
+
+    found: dict[str, Any] = {}
+    for where, options in reward_model_specs(run).items():
+        try:
+            found[where] = load_model_config(str(options.get("model")),
+                                             trust_remote_code=bool(options.get("trust_remote_code")))
+        except MogrpoError:
+            continue
+    return found
 
 
 def with_changes(run: RunConfig, changes: Mapping[str, Any]) -> RunConfig:

@@ -1,12 +1,19 @@
-"""The reward contract: resolve reward functions by name and call them with checked results.
+"""The reward contract (TRL's): resolve reward functions, call them, check their results.
 
-A reward function is ``fn(prompts, completions, **columns) -> list[float | None]`` (as in TRL):
-one score per completion, ``None`` where it cannot score. ``None`` is carried as NaN and never
-becomes a silent 0.
+A reward function is called by keyword, as TRL's GRPOTrainer calls it: ``prompts``,
+``completions`` (strings, or ``[{"role": "assistant", "content": ...}]`` for chat tasks),
+``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and every column of the
+row, plus mogrpo's ``completion_lengths`` and ``truncated``. Any signature that can take that
+call works: ``f(completions, **kwargs)``, ``f(completions, solution, **kwargs)``, an
+``async def`` (awaited concurrently with the others), or one without ``**kwargs`` (it gets
+the arguments it names). It returns one score per completion, ``None`` where it cannot score;
+``None`` is carried as NaN and never becomes a silent 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import difflib
 import hashlib
 import importlib
@@ -16,6 +23,7 @@ import math
 import numbers
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mogrpo.data.schema import Example
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
@@ -37,6 +46,11 @@ BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "code_tests": code_tests,
 }
 _P = inspect.Parameter
+# What the trainer passes to every reward function by keyword (TRL's contract), besides the
+# task's columns; and mogrpo's own additions.
+TRAINER_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                     "log_metric")
+EXTRA_ARGUMENTS = ("completion_lengths", "truncated")
 _FORMS = "a built-in name, package.module:function, or path/to/file.py:function"
 
 
@@ -65,6 +79,12 @@ def resolve_reward(spec: str) -> Callable[..., Any]:
     if not isinstance(spec, str) or not spec.strip():
         raise RewardError(f"reward function spec {spec!r} is empty; give {_FORMS}")
     spec = spec.strip()
+    if spec.startswith("python:"):
+        raise RewardError(
+            f"reward {spec!r} was a Python function passed to mogrpo.train(); a run from the "
+            "command line cannot import it: resume it from Python, passing the function again, "
+            "or move it to a module and give package.module:function or path/to/file.py:function"
+        )
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
@@ -89,7 +109,7 @@ def resolve_reward(spec: str) -> Callable[..., Any]:
             f"reward {spec!r}: {attr!r} in {target} is a {type(fn).__name__}, not a function; "
             "point at a function fn(prompts, completions, **columns)"
         )
-    _check_signature(fn, spec)
+    check_positional_only(fn, spec)
     return fn
 
 
@@ -160,26 +180,6 @@ def _attribute(module: ModuleType, target: str, attr: str, spec: str) -> Any:
     return obj
 
 
-def _check_signature(fn: Callable[..., Any], spec: str) -> None:
-    """Fail early on a function the trainer cannot call (TRL requires the same signature)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # some builtins and C functions have no signature
-        return
-    kinds = [p.kind for p in params]
-    positional = [k for k in kinds if k in (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and _P.VAR_POSITIONAL not in kinds:
-        raise RewardError(
-            f"reward {spec!r} must take (prompts, completions, **columns) but its signature is "
-            f"{inspect.signature(fn)}"
-        )
-    if _P.VAR_KEYWORD not in kinds:
-        raise RewardError(
-            f"reward {spec!r} must accept **kwargs: every dataset column is passed to it as a "
-            f"keyword argument; its signature is {inspect.signature(fn)} — add **kwargs"
-        )
-
-
 def _where(e: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
@@ -225,38 +225,264 @@ def _as_scores(name: str, result: Any, n: int) -> list[float]:
     return scores
 
 
+
+# ----------------------------------------------------------------------------- the call
+
+
+@dataclass
+class TrainerState:
+    """What a reward function receives as `trainer_state` (the fields of TRL's, which passes
+    transformers' `TrainerState`): progress, for rewards shaped by how far training is."""
+
+    global_step: int = 0
+    """Optimizer steps done before this rollout (0 while scoring the first step)."""
+    max_steps: int = 0
+    """Optimizer steps of the run (`train.max_steps`)."""
+    epoch: float = 0.0
+    """Passes over this task's prompts so far, fractional (1.5 = halfway through the second)."""
+    is_world_process_zero: bool = True
+    """Whether this is process 0 of the run (log from one process only)."""
+    is_local_process_zero: bool = True
+    """Whether this is process 0 of its machine."""
+
+
+class RewardLog:
+    """What reward functions logged through `log_extra` and `log_metric` (TRL's callbacks).
+
+    `extra[column]` holds one value per completion of the calls so far (a column of the
+    completions table); `metrics["LABEL/NAME"]` the scalars reward LABEL logged as NAME.
+    Thread-safe: async reward functions run on another thread.
+    """
+
+    def __init__(self) -> None:
+        self.extra: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        with self._lock:
+            self.extra.setdefault(str(column), []).extend(list(values))
+
+    def metric_logger(self, label: str) -> Callable[[str, float], None]:
+        """The `log_metric(name, value)` handed to reward `label`."""
+        def log_metric(name: str, value: float) -> None:
+            with self._lock:
+                self.metrics.setdefault(f"{label}/{name}", []).append(float(value))
+        return log_metric
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a reward function can be called by keyword."""
+
+    names: frozenset[str]  # parameters that may be passed by keyword
+    required: tuple[str, ...]  # ... and of those, the ones without a default
+    takes_all: bool  # has **kwargs: everything is passed
+
+
+def _plan(fn: Callable[..., Any]) -> _Plan | None:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins and C functions have no signature
+        return None
+    keyword = [p for p in params if p.kind in (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)]
+    return _Plan(
+        names=frozenset(p.name for p in keyword),
+        required=tuple(p.name for p in keyword if p.default is _P.empty),
+        takes_all=any(p.kind == _P.VAR_KEYWORD for p in params),
+    )
+
+
+def check_positional_only(fn: Callable[..., Any], spec: str) -> None:
+    """Reward functions are called by keyword (as TRL calls them): a required positional-only
+    parameter can never be filled."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    stuck = [p.name for p in params if p.kind == _P.POSITIONAL_ONLY and p.default is _P.empty]
+    if stuck:
+        raise RewardError(
+            f"reward {spec!r}: parameter {stuck[0]!r} of {_signature(fn)} is positional-only, but "
+            f"reward functions are called by keyword ({', '.join(TRAINER_ARGUMENTS)} and every "
+            "column); remove the '/' and name it after the argument it wants"
+        )
+
+
+def check_reward_call(label: str, fn: Callable[..., Any], kwargs: dict[str, Any],
+                      columns: list[str], where: str) -> None:
+    """Fail before training on a function that cannot take the call: a required parameter
+    that nothing fills, or a `kwargs` key it cannot receive or that hides a passed argument.
+
+    `columns` are the task's data columns; `where` names the reward in the config.
+    """
+    check_positional_only(fn, label)
+    passed = [*TRAINER_ARGUMENTS, *EXTRA_ARGUMENTS]
+    for key in kwargs:
+        if key in passed or key in columns:
+            what = "an argument the trainer passes" if key in passed else "a column of the data"
+            raise RewardError(
+                f"{where}: kwarg {key!r} of reward {label!r} has the name of {what}, which is "
+                "passed to every reward; rename the kwarg (or the column)"
+            )
+    plan = _plan(fn)
+    if plan is None:
+        return
+    for key in kwargs:
+        if not plan.takes_all and key not in plan.names:
+            raise RewardError(
+                f"{where}: reward {label!r} {_signature(fn)} has no parameter {key!r} for its "
+                f"kwarg; add the parameter or **kwargs, or remove {key!r} from kwargs"
+            )
+    available = {*passed, *columns, *kwargs}
+    missing = [name for name in plan.required if name not in available]
+    if missing:
+        named = [n for n in plan.names if n in ("prompts", "completions", "completion_ids")]
+        hint = (" Reward functions are called by keyword, as in TRL: name the parameters "
+                "`prompts` and `completions` (or take **kwargs)." if not named else "")
+        raise RewardError(
+            f"{where}: reward {label!r} {_signature(fn)} needs {missing[0]!r}, which is neither "
+            f"an argument the trainer passes ({', '.join(passed)}) nor a column of the task's "
+            f"data ({', '.join(columns) or 'none'}) nor one of its kwargs; add the column, give "
+            f"the parameter a default, or set it under kwargs.{hint}"
+        )
+
+
+def _signature(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        return f"{name}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    call = getattr(fn, "__call__", None)  # noqa: B004 - a callable object's own method
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+def call_reward(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """Call `fn` by keyword with the `arguments` its signature takes (all of them if it has
+    **kwargs); returns what it returns (a coroutine for an async function)."""
+    plan = _plan(fn)
+    if plan is not None and not plan.takes_all:
+        arguments = {k: v for k, v in arguments.items() if k in plan.names}
+    return fn(**arguments)
+
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop on a daemon thread for every async reward function: it works the same
+    whether or not the caller already runs a loop (a notebook does)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="mogrpo-async-rewards",
+                             daemon=True).start()
+        return _loop
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _failure(name: str, e: BaseException) -> RewardError:
+    if isinstance(e, RewardError):
+        return RewardError(f"reward {name!r}: {e}")
+    return RewardError(f"reward {name!r} raised {type(e).__name__}: {e}{_where(e)}")
+
+
 def score(
     fns: list[tuple[str, Callable[..., Any], dict[str, Any]]],
     prompts: list,
-    completions: list[str],
+    completions: list,
     columns: dict[str, list],
+    *,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: TrainerState | None = None,
+    log: RewardLog | None = None,
 ) -> torch.Tensor:
     """Scores of every completion under every reward: float32 `[B, J]`, NaN where unscored.
 
-    Each `(name, fn, kwargs)` is called as `fn(prompts, completions, **columns, **kwargs)`.
+    Each `(name, fn, kwargs)` is called by keyword, as TRL calls it: `prompts`, `completions`,
+    `completion_ids`, `trainer_state`, `log_extra`, `log_metric`, every column and its own
+    `kwargs` (a function without **kwargs gets the ones it names). Async functions run
+    concurrently with each other and with the synchronous ones.
     """
     n = len(completions)
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    out = torch.full((n, len(fns)), math.nan, dtype=torch.float32)  # [B, J]
+    log = log if log is not None else RewardLog()
+    common = {"prompts": prompts, "completions": completions,
+              "completion_ids": completion_ids if completion_ids is not None else [[]] * n,
+              "trainer_state": trainer_state or TrainerState(), "log_extra": log.log_extra,
+              **columns}
+    results: list[Any] = [None] * len(fns)
+    pending: list[tuple[int, concurrent.futures.Future]] = []
     for j, (name, fn, kwargs) in enumerate(fns):
-        clash = sorted(set(kwargs) & set(columns))
+        clash = sorted(set(kwargs) & set(common))
         if clash:
             raise RewardError(
                 f"reward {name!r}: kwarg {clash[0]!r} has the name of a column passed to every "
                 "reward; rename the kwarg or the column"
             )
+        arguments = {**common, "log_metric": log.metric_logger(name), **kwargs}
         try:
-            result = fn(prompts, completions, **columns, **kwargs)
-        except RewardError as e:
-            raise RewardError(f"reward {name!r}: {e}") from e
+            result = call_reward(fn, arguments)
         except Exception as e:
-            raise RewardError(
-                f"reward {name!r} raised {type(e).__name__}: {e}{_where(e)}"
-            ) from e
-        if n:
-            out[:, j] = torch.tensor(_as_scores(name, result, n), dtype=torch.float32)
+            raise _failure(name, e) from e
+        if inspect.isawaitable(result):  # runs on the loop while the next ones are called
+            pending.append((j, asyncio.run_coroutine_threadsafe(_awaited(result), _event_loop())))
         else:
-            _as_scores(name, result, n)
+            results[j] = result
+    for j, future in pending:
+        try:
+            results[j] = future.result()
+        except Exception as e:
+            for _, other in pending:
+                other.cancel()
+            raise _failure(fns[j][0], e) from e
+    out = torch.full((n, len(fns)), math.nan, dtype=torch.float32)  # [B, J]
+    for j, (name, _, _) in enumerate(fns):
+        values = _as_scores(name, results[j], n)
+        if n:
+            out[:, j] = torch.tensor(values, dtype=torch.float32)
     return out
+
+
+def as_completions(prompts: list, texts: list[str]) -> list:
+    """TRL's `completions`: the text, or for a chat prompt (a list of messages) the reply as
+    `[{"role": "assistant", "content": text}]`."""
+    return [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(prompts, texts, strict=True)]
+
+
+def score_examples(
+    fns: list[tuple[str, Callable[..., Any], dict[str, Any]]],
+    examples: list[Example],
+    texts: list[str],
+    completion_ids: torch.Tensor,
+    lengths: list[int],
+    truncated: list[bool],
+    *,
+    trainer_state: TrainerState | None = None,
+    log: RewardLog | None = None,
+) -> torch.Tensor:
+    """`score` for the completions of `examples` (one example per completion, each prompt's
+    repeated K times): builds TRL's arguments and the columns. `completion_ids` [B, C] is
+    right-padded, row b holding `lengths[b]` tokens. Returns float32 `[B, J]`."""
+    keys: list[str] = []
+    for ex in examples:
+        keys.extend(k for k in ex.columns if k not in keys)
+    columns = {k: [ex.columns.get(k) for ex in examples] for k in keys}
+    columns["completion_lengths"] = list(lengths)
+    columns["truncated"] = list(truncated)
+    prompts = [ex.prompt for ex in examples]
+    ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths, strict=True)]
+    return score(fns, prompts, as_completions(prompts, texts), columns, completion_ids=ids,
+                 trainer_state=trainer_state, log=log)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mogrpo.errors import ConfigError, RewardError
+from mogrpo.rewards.base import TRAINER_ARGUMENTS, call_reward
+from mogrpo.rewards.builtin import completion_text
 from mogrpo.rewards.judge_cache import JudgeCache, cache_key
 from mogrpo.rewards.judge_client import Budget, JudgeClient, Outcome, Provider
 from mogrpo.rewards.judge_options import parse_options
@@ -72,7 +74,7 @@ class JudgeReward:
 
     # -- the reward contract -------------------------------------------------------------------
 
-    def __call__(self, prompts: list[Any], completions: list[str], **columns: Any) -> list[float | None]:
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
         """One score in [0, 1] per completion; None (or the fallback's value) where unscorable."""
         start = time.perf_counter()
         n = len(completions)
@@ -105,7 +107,7 @@ class JudgeReward:
     def _render(self, prompt: Any, completion: str, columns: dict[str, Any], i: int) -> str:
         # Column values stay as they are (a dict column can be indexed: {meta[source]}).
         values = {name: _blank_none(columns[name][i]) for name in self.fields if name in columns}
-        values["prompt"], values["completion"] = _prompt_text(prompt), completion
+        values["prompt"], values["completion"] = _prompt_text(prompt), completion_text(completion)
         try:
             return self.template.format_map(values)
         except (KeyError, IndexError, AttributeError, TypeError, ValueError) as err:
@@ -116,7 +118,8 @@ class JudgeReward:
     def _check_columns(self, columns: dict[str, Any]) -> None:
         missing = [f for f in self.fields if f not in _BUILTIN_FIELDS and f not in columns]
         if missing:
-            available = ", ".join([*_BUILTIN_FIELDS, *sorted(columns)])
+            available = ", ".join([*_BUILTIN_FIELDS,
+                                   *sorted(c for c in columns if c not in TRAINER_ARGUMENTS)])
             raise RewardError(
                 f"{self.where}.template uses {{{missing[0]}}} but this task's rows have no column "
                 f"{missing[0]!r}; available placeholders: {available}. Fix the template or add the "
@@ -191,13 +194,17 @@ class JudgeReward:
             return Outcome()
 
     def _apply_fallback(self, scores: list[float | None], prompts: list[Any],
-                        completions: list[str], columns: dict[str, Any],
+                        completions: list[Any], columns: dict[str, Any],
                         stats: JudgeStats) -> list[float | None]:
         name, fn, kwargs = self.fallback  # type: ignore[misc]
         rows = [i for i, s in enumerate(scores) if s is None]
-        sub_columns = {k: [v[i] for i in rows] for k, v in columns.items()}
-        values = fn([prompts[i] for i in rows], [completions[i] for i in rows],
-                    **sub_columns, **kwargs)
+        n = len(scores)
+        # per-completion columns are cut to the failed rows; trainer_state and the like are not
+        sub_columns = {k: [v[i] for i in rows] if isinstance(v, list) and len(v) == n else v
+                       for k, v in columns.items()}
+        values = call_reward(fn, {"prompts": [prompts[i] for i in rows],
+                                  "completions": [completions[i] for i in rows],
+                                  **sub_columns, **kwargs})
         if not isinstance(values, list | tuple) or len(values) != len(rows):
             raise RewardError(
                 f"{self.where}.fallback {name!r} returned {values!r:.80} for {len(rows)} "

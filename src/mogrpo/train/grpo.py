@@ -8,8 +8,9 @@ One step: `draw_prompts` → `generate` → `score` (rewards per objective) → 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,16 +18,18 @@ import torch
 from mogrpo.algo.advantages import group_advantages
 from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
 from mogrpo.algo.importance import truncated_importance_weights
+from mogrpo.algo.kl import sequence_kl
 from mogrpo.algo.kl_control import make_controller
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
+from mogrpo.algo.surrogates import LossVariant, mask_truncated, resolve_aggregation
 from mogrpo.config import RunConfig
 from mogrpo.curriculum import Curriculum
 from mogrpo.data.schema import Example
 from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
 from mogrpo.modeling.reference import Reference
-from mogrpo.rewards.base import score as score_rewards
+from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.train.common import (
@@ -37,6 +40,7 @@ from mogrpo.train.common import (
     build_scheduler,
     render_prompts,
 )
+from mogrpo.train.completions import CompletionLog, completion_rows
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
 from mogrpo.train.tasks import TaskMixer, judges
@@ -52,6 +56,8 @@ class RewardBatch:
     picks: list[tuple[int, Example]]  # (task index, example) per prompt
     rollout: Rollout
     rewards: list[torch.Tensor]  # per prompt: [K, J of its task], NaN = could not score
+    extras: list[dict[str, list]] = field(default_factory=list)
+    """per prompt: the columns its reward functions logged with `log_extra`, K values each"""
 
 
 @dataclass
@@ -89,6 +95,8 @@ class GRPOTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.last_metrics: dict[str, float] = {}
+        self._logged_metrics: dict[str, list[float]] = {}
+        self.completion_log: CompletionLog | None = None  # set by the run when logged
         self.dist = Dist.current()
         self.curriculum = Curriculum(self.config.curriculum,
                                      {t.name: t.config.weight for t in ctx.tasks})
@@ -130,21 +138,50 @@ class GRPOTrainer:
         """Every objective of every task, one call per reward function per task."""
         K = rollout.num_generations
         rewards: list[torch.Tensor] = [torch.empty(0)] * len(picks)
+        extras: list[dict[str, list]] = [{} for _ in picks]
         lengths, truncated = rollout.lengths.tolist(), rollout.truncated.tolist()
         for t, task in enumerate(self.ctx.tasks):
             groups = [g for g, (pt, _) in enumerate(picks) if pt == t]
             if not groups:
                 continue
             rows = [g * K + k for g in groups for k in range(K)]
-            examples = [picks[g][1] for g in groups for _ in range(K)]
-            columns = _columns(examples)
-            columns["completion_lengths"] = [lengths[r] for r in rows]
-            columns["truncated"] = [truncated[r] for r in rows]
-            values = score_rewards(task.reward_fns, [ex.prompt for ex in examples],
-                                   [rollout.texts[r] for r in rows], columns)  # [n*K, J]
+            log = RewardLog()
+            values = score_examples(
+                task.reward_fns, [picks[g][1] for g in groups for _ in range(K)],
+                [rollout.texts[r] for r in rows], rollout.completion_ids[rows],
+                [lengths[r] for r in rows], [truncated[r] for r in rows],
+                trainer_state=self._trainer_state(t), log=log,
+            )  # [n*K, J]
+            logged = _per_row(log.extra, len(rows), task.name)
             for i, g in enumerate(groups):
                 rewards[g] = values[i * K:(i + 1) * K]
-        return RewardBatch(picks, rollout, rewards)
+                extras[g] = {c: v[i * K:(i + 1) * K] for c, v in logged.items()}
+            for key, scalars in log.metrics.items():
+                self._logged_metrics.setdefault(f"task/{task.name}/reward/{key}", []).extend(scalars)
+        return RewardBatch(picks, rollout, rewards, extras)
+
+    def _trainer_state(self, t: int) -> TrainerState:
+        """TRL's `trainer_state` for task t's reward functions."""
+        return TrainerState(global_step=self.step, max_steps=self.config.train.max_steps,
+                            epoch=self.mixer.epoch_of(t), is_world_process_zero=self.dist.is_main,
+                            is_local_process_zero=os.environ.get("LOCAL_RANK", "0") == "0")
+
+    def log_completions(self, rewards: RewardBatch, advantages: torch.Tensor) -> None:
+        """The step's completions table (`logging.log_completions`), gathered to process 0."""
+        step = self.step + 1
+        if self.completion_log is None or not self.completion_log.due(step):
+            return
+        tasks = self.ctx.tasks
+        rows = completion_rows(step, [t.name for t in tasks], [t.reward_labels for t in tasks],
+                               rewards, advantages)
+        rows = [row for part in self.dist.gather(rows) for row in part]
+        if self.dist.is_main:
+            self.completion_log.write(step, rows)
+
+    def logged_metrics(self) -> dict[str, float]:
+        """The step's `log_metric` values of the reward functions, each averaged."""
+        taken, self._logged_metrics = self._logged_metrics, {}
+        return {key: sum(v) / len(v) for key, v in taken.items() if v}
 
     def keep_informative(self, batch: RewardBatch) -> tuple[RewardBatch, dict[str, float]]:
         """DAPO dynamic sampling: drop groups without signal, refill up to the round cap."""
@@ -168,6 +205,7 @@ class GRPOTrainer:
             [p for b in kept for p in b.picks],
             concat_rollouts([b.rollout for b in kept], self.ctx.tokenizer.pad_token_id),
             [r for b in kept for r in b.rewards],
+            [e for b in kept for e in b.extras],
         )
         return merged, budget.metrics()
 
@@ -227,15 +265,22 @@ class GRPOTrainer:
         algo, ro = self.config.algorithm, batch.rollout
         policy = self.ctx.policy
         policy.train()
+        variant = LossVariant.from_config(algo)
+        aggregation = resolve_aggregation(algo.loss_type, algo.loss_aggregation)
+        loss_mask = (mask_truncated(ro.completion_mask, ro.truncated)
+                     if algo.mask_truncated_completions else ro.completion_mask)  # [B, C]
+        # BNPO's normaliser is per micro-batch, so its rows stay in order (as TRL splits them)
+        micro_batches = self._micro_batches(ro, by_length=aggregation != "micro_token_mean")
         # the step's global normaliser: a sum over this process's rows, then over processes
-        normalizer = self.dist.sum(loss_normalizer(ro.completion_mask, algo.loss_aggregation,
-                                                   self.config.rollout.completion_length))
+        normalizer = self.dist.sum(loss_normalizer(loss_mask, aggregation,
+                                                   self.config.rollout.completion_length,
+                                                   micro_batches=len(micro_batches)))
         seq_kl = torch.zeros(ro.batch_size)
         totals = {"loss": 0.0, "clip_tokens": 0.0, "tokens": 0, "entropy": 0.0, "grad_norm": 0.0,
                   "update_norm": 0.0, "is_weight": 0.0, "is_capped": 0.0}
         for it in range(algo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            for rows in self._micro_batches(ro):
+            for rows in micro_batches:
                 args = _slice(ro, rows)
                 width = args[2].shape[1]
                 logp, entropy = completion_logprobs(
@@ -246,19 +291,22 @@ class GRPOTrainer:
                 weights = self._importance_weights(old, ro, rows, args[3],
                                                    totals if it == 0 else None)
                 out = grpo_loss(
-                    logp, old, batch.advantages[rows], args[3], normalizer=normalizer,
-                    aggregation=algo.loss_aggregation, epsilon_low=algo.epsilon_low,
+                    logp, old, batch.advantages[rows], loss_mask[rows, :width],
+                    normalizer=normalizer, aggregation=aggregation, epsilon_low=algo.epsilon_low,
                     epsilon_high=algo.epsilon_high, ref_logp=ref, beta=batch.beta[rows],
                     kl_estimator=algo.kl_estimator, kl_importance_weight=algo.kl_importance_weight,
-                    importance_weights=weights,
+                    variant=variant, importance_weights=weights,
                 )
                 out.loss.backward()  # gradients add up across micro-batches
                 totals["loss"] += out.loss.item() / algo.num_iterations
                 if it == 0:
-                    seq_kl[rows] = out.kl.float().cpu()
+                    # KL is measured on every completion, also those left out of the loss
+                    seq_kl[rows] = (sequence_kl(logp.detach(), ref, args[3], algo.kl_estimator)
+                                    if ref is not None and algo.mask_truncated_completions
+                                    else out.kl).float().cpu()
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
                     totals["tokens"] += out.num_tokens
-                    totals["entropy"] += float(entropy[args[3].bool()].sum())
+                    totals["entropy"] += float(entropy[loss_mask[rows, :width].bool()].sum())
             params = [p for p in policy.parameters() if p.requires_grad]
             self.dist.sum_gradients(params)  # the full-batch gradient in every process
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.max_grad_norm)
@@ -295,7 +343,11 @@ class GRPOTrainer:
         if self._sampler_correction and ro.sampler_logp is not None:
             metrics["policy/sampler_is_weight"] = totals["is_weight"] / tokens
             metrics["policy/sampler_is_capped_frac"] = totals["is_capped"] / tokens
-        task_ids = batch.task_ids.cpu()
+        return metrics | self._task_kl(batch.task_ids.cpu(), seq_kl)
+
+    def _task_kl(self, task_ids: torch.Tensor, seq_kl: torch.Tensor) -> dict[str, float]:
+        """Each task's mean KL over its completions, and its β."""
+        metrics = {}
         for t, task in enumerate(self.ctx.tasks):
             mask = task_ids == t
             if mask.any():
@@ -360,7 +412,9 @@ class GRPOTrainer:
             rewards, sampling_metrics = self.keep_informative(rewards)
             metrics.update(sampling_metrics)
         metrics.update(self.judge_stats())
+        metrics.update(self.logged_metrics())
         batch, reward_stats = self.advantages(rewards)
+        self.log_completions(rewards, batch.advantages)
         t2 = time.perf_counter()
         self.reference_logprobs(batch)
         metrics.update(self.update(batch))
@@ -461,9 +515,11 @@ class GRPOTrainer:
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])
 
-    def _micro_batches(self, ro: Rollout) -> list[slice | torch.Tensor]:
-        return length_buckets(ro.prompt_mask, ro.completion_mask,
-                              self.config.train.micro_batch_size)
+    def _micro_batches(self, ro: Rollout, by_length: bool = True) -> list[slice | torch.Tensor]:
+        size = self.config.train.micro_batch_size
+        if not by_length:
+            return [slice(i, min(i + size, ro.batch_size)) for i in range(0, ro.batch_size, size)]
+        return length_buckets(ro.prompt_mask, ro.completion_mask, size)
 
 
 def length_buckets(prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
@@ -487,14 +543,15 @@ def _identical_groups(ro: Rollout) -> float:
 
 def _select(batch: RewardBatch, groups: list[int]) -> RewardBatch:
     return RewardBatch([batch.picks[g] for g in groups], select_groups(batch.rollout, groups),
-                       [batch.rewards[g] for g in groups])
+                       [batch.rewards[g] for g in groups], [batch.extras[g] for g in groups])
 
 
-def _columns(examples: list[Example]) -> dict[str, list]:
-    keys: list[str] = []
-    for ex in examples:
-        keys.extend(k for k in ex.columns if k not in keys)
-    return {k: [ex.columns.get(k) for ex in examples] for k in keys}
+def _per_row(extra: dict[str, list], n: int, task: str) -> dict[str, list]:
+    """The `log_extra` columns with one value per completion; others are dropped, with a warning."""
+    for column in [c for c, v in extra.items() if len(v) != n]:
+        log.warning("task %s: log_extra(%r, ...) got %d values for %d completions; column left "
+                    "out of the completions table", task, column, len(extra[column]), n)
+    return {c: v for c, v in extra.items() if len(v) == n}
 
 
 def _slice(ro: Rollout, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:

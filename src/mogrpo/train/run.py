@@ -29,7 +29,7 @@ from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.evaluation import QuickEval
 from mogrpo.health import HealthStop
-from mogrpo.memory import estimate
+from mogrpo.memory import estimate, reward_model_configs
 from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
@@ -43,6 +43,7 @@ from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.tracking import Trackers
 from mogrpo.train.common import MetricsWriter, Tee, TrainContext
+from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, init_distributed, weights_checksum
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
@@ -103,7 +104,7 @@ def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
 
 
 RUN_FILES = ("metrics.jsonl", "sft_metrics.jsonl", "eval.jsonl", "summary.json", "pareto.json",
-             "config_changes.jsonl")
+             "config_changes.jsonl", COMPLETIONS_FILE)
 
 
 def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
@@ -214,6 +215,9 @@ def run_training(config: RunConfig, resume: str | None = None,
         config, run_dir, state=loaded.state.get("trackers") if loaded else None,
         resume_step=loaded.state["step"] if loaded else None,
     )
+    if config.logging.log_completions:
+        trainer.completion_log = CompletionLog(run_dir, config.logging.log_completions_every,
+                                               trackers)
     if loaded is not None:
         _restore(loaded, ctx, trainer, quick_eval)  # RNG last: after the trackers started
 
@@ -274,7 +278,8 @@ def _finish(ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval,
 def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
     """The planner's estimate for this run, logged next to the measured peak of each step."""
     try:
-        est = estimate(ctx.policy.config, config, device=ctx.device.type)
+        est = estimate(ctx.policy.config, config, device=ctx.device.type,
+                       reward_models=reward_model_configs(config))
     except MogrpoError as err:  # e.g. an architecture the planner does not model
         log.info("memory estimate unavailable: %s", err)
         return None
@@ -301,7 +306,7 @@ def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config
         with MetricsWriter(run_dir / "config_changes.jsonl") as writer:
             writer.write({"step": step, "checkpoint": str(path),
                           "changes": [vars(c) | {"allowed": c.allowed} for c in changes]})
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "eval.jsonl", COMPLETIONS_FILE):
         truncate_jsonl(run_dir / name, step)
     (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
     log.info("resuming from %s (step %d)", path, step)

@@ -6,20 +6,22 @@ the prompts it would have drawn without the stop.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mogrpo.algo.schedules import WeightSchedule, from_config
 from mogrpo.config import RewardConfig, RunConfig, TaskConfig
-from mogrpo.data.readers import Record, read_records
 from mogrpo.data.schema import Example, parse_examples, split_examples
-from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
-from mogrpo.rewards.base import resolve_reward
+from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_stream
+from mogrpo.errors import DataError
+from mogrpo.rewards.base import check_positional_only, check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
+from mogrpo.rewards.reward_model import RewardModelReward
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class Task:
     eval: list[Example]
     reward_fns: list[tuple[str, Callable, dict[str, Any]]] = field(default_factory=list)
     weight_schedules: list[WeightSchedule] = field(default_factory=list)
+    stream: ExampleStream | None = None
+    """Streamed data: training draws from it, and `train` holds only its checked first rows."""
 
     @property
     def reward_labels(self) -> list[str]:
@@ -44,25 +48,45 @@ class Task:
         return [schedule.at(step) for schedule in self.weight_schedules]
 
 
-def _records(spec: str, seed: int) -> list[Record]:
-    if spec.startswith(BUILTIN_PREFIX):
-        return [Record(spec, i + 1, row) for i, row in enumerate(builtin_rows(spec, seed))]
-    return read_records(spec)
-
-
-def _examples(spec: str, task: TaskConfig, seed: int) -> list[Example]:
+def _examples(spec: Any, task: TaskConfig, seed: int) -> list[Example]:
     return parse_examples(
-        _records(spec, seed),
+        load_records(spec, seed),
         format=task.format,
         prompt_template=task.prompt_template,
         drop_incomplete=task.drop_incomplete,
     )
 
 
+def _split(name: str, tc: TaskConfig, seed: int
+           ) -> tuple[list[Example], list[Example], ExampleStream | None]:
+    """(train, held-out, stream): a streamed task's train examples are its checked preview."""
+    if is_streaming(tc.data):
+        preview, held_out, stream = open_stream(
+            tc.data, task=name, format=tc.format, prompt_template=tc.prompt_template,
+            drop_incomplete=tc.drop_incomplete, seed=seed,
+            eval_size=0 if tc.eval_data is not None else tc.eval_size)
+        if tc.eval_data is not None:
+            held_out = _examples(tc.eval_data, tc, seed + 1)
+        return preview, held_out, stream
+    examples = _examples(tc.data, tc, seed)
+    if tc.eval_data is not None:
+        return examples, _examples(tc.eval_data, tc, seed + 1), None
+    if tc.eval_size:
+        return (*split_examples(examples, tc.eval_size, seed), None)
+    return examples, [], None
+
+
 def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
             ) -> tuple[str, Callable, dict[str, Any]]:
-    """(label, callable, per-call kwargs). A `judge` is built once from its options (they are
-    consumed here, not passed per call); everything else resolves by name or import path."""
+    """(label, callable, per-call kwargs). A `judge` or `reward_model` is built once from its
+    options (consumed here, not passed per call); everything else resolves by name or path."""
+    if callable(reward.fn):  # passed from Python
+        check_positional_only(reward.fn, reward.label)
+        return reward.label, reward.fn, dict(reward.kwargs)
+    if reward.fn.strip() == "reward_model":
+        model = RewardModelReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
+                                               policy_device=config.device)
+        return reward.label, model, {}
     if reward.fn.strip() == "judge":
         judge = JudgeReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
                                          cache_dir=Path(config.output.dir))
@@ -80,19 +104,17 @@ def load_tasks(config: RunConfig) -> list[Task]:
     """Read every task's data and resolve its reward functions (no model needed)."""
     tasks = []
     for name, tc in config.tasks.items():
-        examples = _examples(tc.data, tc, config.seed)
-        if tc.eval_data is not None:
-            train, held_out = examples, _examples(tc.eval_data, tc, config.seed + 1)
-        elif tc.eval_size:
-            train, held_out = split_examples(examples, tc.eval_size, config.seed)
-        else:
-            train, held_out = examples, []
+        train, held_out, stream = _split(name, tc, config.seed)
         fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
+        columns = list(dict.fromkeys(k for ex in [*train, *held_out] for k in ex.columns))
+        for i, (label, fn, kwargs) in enumerate(fns):
+            check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}")
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
-        tasks.append(Task(name, tc, train, held_out, fns, schedules))
-        log.info("task %s: %d train / %d eval prompts, rewards %s",
-                 name, len(train), len(held_out), ", ".join(label for label, _, _ in fns))
+        tasks.append(Task(name, tc, train, held_out, fns, schedules, stream))
+        log.info("task %s: %s train / %d eval prompts, rewards %s", name,
+                 "streamed" if stream else len(train), len(held_out),
+                 ", ".join(label for label, _, _ in fns))
     return tasks
 
 
@@ -108,6 +130,7 @@ class TaskMixer:
         self.epoch = [0] * len(tasks)
         self.position = [0] * len(tasks)
         self._orders = [self._order(i) for i in range(len(tasks))]
+        self._streams: dict[int, Iterator[Example]] = {}  # open streamed tasks
 
     def _order(self, t: int) -> list[int]:
         order = list(range(len(self.tasks[t].train)))
@@ -131,7 +154,26 @@ class TaskMixer:
             self.weights = list(weights)
             self.credit = [0.0] * len(self.tasks)
 
+    def _next_streamed(self, t: int) -> Example:
+        task = self.tasks[t]
+        if t not in self._streams:  # (re)opened where the saved position says
+            self._streams[t] = itertools.islice(task.stream(self.epoch[t]), self.position[t], None)
+        example = next(self._streams[t], None)
+        if example is None:  # the pass is over: the next one, in a new order
+            if self.position[t] == 0:
+                raise DataError(f"task {task.name}: its streamed data has no usable rows")
+            self.epoch[t] += 1
+            self.position[t] = 0
+            self._streams[t] = iter(task.stream(self.epoch[t]))
+            example = next(self._streams[t], None)
+            if example is None:
+                raise DataError(f"task {task.name}: its streamed data has no usable rows")
+        self.position[t] += 1
+        return example
+
     def _next_example(self, t: int) -> Example:
+        if self.tasks[t].stream is not None:
+            return self._next_streamed(t)
         if self.position[t] >= len(self._orders[t]):
             self.epoch[t] += 1
             self.position[t] = 0
@@ -139,6 +181,13 @@ class TaskMixer:
         example = self.tasks[t].train[self._orders[t][self.position[t]]]
         self.position[t] += 1
         return example
+
+    def epoch_of(self, t: int) -> float:
+        """Passes over task t's prompts so far, fractional (TRL's `trainer_state.epoch`); whole
+        passes only for streamed data, whose length is unknown."""
+        if self.tasks[t].stream is not None:
+            return float(self.epoch[t])
+        return self.epoch[t] + self.position[t] / max(len(self.tasks[t].train), 1)
 
     def next_batch(self, n: int) -> list[tuple[int, Example]]:
         """`n` (task index, example) pairs, grouped by task in task order."""
@@ -155,3 +204,4 @@ class TaskMixer:
         self.position = list(state["position"])
         self.weights = list(state.get("weights", self.weights))
         self._orders = [self._order(i) for i in range(len(self.tasks))]
+        self._streams = {}
