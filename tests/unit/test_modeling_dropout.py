@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from architectures import build_family
 
+from architectures import build_family
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss
 from mogrpo.modeling import active_dropout, make_reference

@@ -6,6 +6,7 @@ import logging
 import random
 
 import torch
+import torch.nn.functional as F
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
@@ -108,7 +109,13 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
             items = data[position: position + cfg.batch_size]
             position += cfg.batch_size
             input_ids, attention, labels = _collate(items, pad_id, ctx.device)
-            loss = policy(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            logits = policy(input_ids=input_ids, attention_mask=attention,
+                            use_cache=False).logits  # [B, T, V]
+            # Mean cross-entropy of each target token given what precedes it, in fp32 — what
+            # transformers' `labels=` computes, without its loss lookup by class name (which
+            # warns for GPT-2's `GPT2LMHeadModel` on every run).
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, ctx.config.train.max_grad_norm)
