@@ -76,19 +76,49 @@ def test_fused_layers_are_costed_as_the_modules_lora_wraps():
     assert estimate(PHI3_MINI, run)["lora"] == 32 * (196_608 + 98_304) * 4
 
 
-def test_plain_mlp_and_layernorm_activations():
+def test_activations_of_fused_layers_plain_mlps_and_layernorms():
     neox = Architecture.from_config(PYTHIA_160M)
     # bf16, full fine-tuning, per token and layer: 2 LayerNorm inputs 2·2·768 = 3,072
-    # + attention q, k, v, out 2·4·768 = 6,144 + GELU input 2·3072 = 6,144
+    # + attention q, k, v, out 2·4·768 = 6,144, + the rest of the fused q|k|v output that v
+    # (a view of it) keeps alive 2·(768 + 768) = 3,072 + GELU input 2·3072 = 6,144
     # + trainable-weight inputs 2·(2·768 + 3072) = 9,216
+    assert neox.fused_qkv_view and neox.activation == "input"
     assert layer_activation_bytes(neox, 2, full_ft=True, lora=[], rank=0, dropout=0.0,
-                                  mask_bytes=1) == 24_576
+                                  mask_bytes=1) == 27_648
     gpt2 = Architecture.from_config(GPT2)
-    # bf16, LoRA r 8 with dropout on CUDA: the same base 3,072 + 6,144 + 6,144, plus per
-    # adapted module (4 + 1)·d_in: c_attn, c_proj, c_fc 768 each, the MLP's c_proj 3072
-    # → 5·5,376 = 26,880, plus lora_A outputs 4 modules × 4 B × 8 = 128
+    # bf16, LoRA r 8 with dropout on CUDA: 3,072 (LayerNorms) + 6,144 (q, k, v, out: views of
+    # c_attn's output, no rotation) + gelu_new's x, tanh, 0.5·x and 1 + tanh 4·2·3072 = 24,576;
+    # per adapted module (4 + 1)·d_in: c_attn, c_proj, c_fc 768 each, the MLP's c_proj 3072
+    # → 5·5,376 = 26,880; lora_A outputs 4 modules × 4 B × 8 = 128
+    assert (gpt2.activation, gpt2.fused_qkv_view) == ("gelu_new", False)
     assert layer_activation_bytes(gpt2, 2, full_ft=False, lora=gpt2.block(0), rank=8,
-                                  dropout=0.05, mask_bytes=1) == 15_360 + 26_880 + 128
+                                  dropout=0.05, mask_bytes=1) == 9_216 + 24_576 + 26_880 + 128
+    opt = Architecture.from_config(OPT_125M)
+    # OPT's ReLU keeps its output, which is fc2's input: full fine-tuning adds no copy of it
+    # 3,072 + 6,144 + 2·3072 + 2·(2·768) = 18,432
+    assert opt.activation == "output"
+    assert layer_activation_bytes(opt, 2, full_ft=True, lora=[], rank=0, dropout=0.0,
+                                  mask_bytes=1) == 18_432
+
+
+def test_gemma2_defaults_to_eager_attention_with_soft_capping():
+    gemma2 = {"model_type": "gemma2", "hidden_size": 2304, "num_hidden_layers": 26,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+              "intermediate_size": 9216, "vocab_size": 256000}
+    arch = Architecture.from_config(gemma2)
+    assert (arch.attention, arch.softcap) == ("eager", True)
+    run = make_run({"model": {"name_or_path": "g", "dtype": "bfloat16"},
+                    "rollout": {"num_generations": 4, "max_seq_length": 512},
+                    "train": {"micro_batch_size": 4}}, {})
+    sdpa = make_run({"model": {"name_or_path": "g", "dtype": "bfloat16",
+                               "attn_implementation": "sdpa"},
+                     "rollout": {"num_generations": 4, "max_seq_length": 512},
+                     "train": {"micro_batch_size": 4}}, {})
+    # 8 heads × 512 keys × (fp32 softmax 4 + its bf16 cast 2 + the tanh of the capping 2 B)
+    # per token and layer, over 4 × 512 tokens and 26 layers
+    assert estimate(gemma2, run)["activations"] - estimate(gemma2, sdpa)["activations"] == (
+        8 * 512 * 8 * 2048 * 26)
+    assert "eager attention keeps s×s scores (gemma2's default)" in estimate(gemma2, run).table()
 
 
 def test_multi_query_kv_cache():

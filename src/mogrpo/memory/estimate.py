@@ -109,12 +109,18 @@ def layer_activation_bytes(shape: Architecture, p: int, *, full_ft: bool, lora: 
 
     `lora`: the adapted layers of one block."""
     h, i = shape.hidden, shape.intermediate
-    total = (4 * shape.rms_norms * h + p * shape.layer_norms * h
-             + p * (2 * shape.q_dim + 2 * shape.kv_dim) + (3 if shape.gated_mlp else 1) * p * i)
+    total = 4 * shape.rms_norms * h + p * shape.layer_norms * h
+    total += p * (2 * shape.q_dim + 2 * shape.kv_dim)
+    if shape.fused_qkv_view:  # v keeps the whole fused q|k|v output alive
+        total += p * (shape.q_dim + shape.kv_dim)
     if eager_len:
-        total += shape.heads * eager_len * (4 + (p if p < 4 else 0))
+        total += shape.heads * eager_len * (4 + (p if p < 4 else 0) + (p if shape.softcap else 0))
+    # the MLP output projection's input: kept by a ReLU anyway, else only when it is trained
+    down_input_kept = not shape.gated_mlp and shape.activation == "output"
+    total += p * i * (3 if shape.gated_mlp else {"output": 1, "gelu_new": 4}.get(
+        shape.activation, 1))
     if full_ft:
-        total += p * (shape.rms_norms * h + 2 * h + i)
+        total += p * (shape.rms_norms * h + 2 * h + (0 if down_input_kept else i))
     if dropout > 0 or p < ADAPTER_BYTES:
         # each module makes its own fp32 copy of its input (cast, then dropout with a mask)
         mask = mask_bytes if dropout > 0 else 0
@@ -122,7 +128,8 @@ def layer_activation_bytes(shape: Architecture, p: int, *, full_ft: bool, lora: 
     elif not full_ft:
         # fp32, no dropout: modules that share an input save it once; the attention output
         # projection's input is kept by the attention already
-        inputs = {m.role: m.in_features for m in lora if m.role != "attn_out"}
+        inputs = {m.role: m.in_features for m in lora if m.role != "attn_out"
+                  and not (m.role == "mlp_out" and down_input_kept)}
         total += sum(inputs.values()) * ADAPTER_BYTES
     return total + len(lora) * ADAPTER_BYTES * rank
 
@@ -157,9 +164,11 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
              f"{' (4-bit base)' if mc.load_in_4bit else ''}, "
              f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
              f"{run.train.micro_batch_size} × ({prompt} prompt + {completion} completion) tokens")
+    eager = (mc.attn_implementation or shape.attention) == "eager"
     assumptions = [
-        "eager attention keeps s×s scores" if mc.attn_implementation == "eager" else
-        "fused SDPA/flash attention (no s×s scores kept)",
+        "eager attention keeps s×s scores" + (f" ({shape.model_type}'s default)"
+                                              if not mc.attn_implementation else "")
+        if eager else "fused SDPA/flash attention (no s×s scores kept)",
         "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
         "gradients resident: from the 2nd micro-batch and through the next generation on "
@@ -222,7 +231,7 @@ def _activations(shape: Architecture, run: RunConfig, p: int, device: str, batch
     per_layer = layer_activation_bytes(
         shape, p, full_ft=not lc.enabled, lora=lora, rank=lc.r, dropout=lc.dropout,
         mask_bytes=1 if device == "cuda" else 4,
-        eager_len=seq if run.model.attn_implementation == "eager" else 0)
+        eager_len=seq if (run.model.attn_implementation or shape.attention) == "eager" else 0)
     tokens = batch * seq
     # the final norm's input (fp32 for an RMSNorm); a trainable head also keeps its normed
     # input and the head's input

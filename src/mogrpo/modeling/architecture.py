@@ -114,6 +114,18 @@ class Architecture:
     """RMSNorms per block (HF's upcast to fp32 and keep their input)."""
     layer_norms: int
     """LayerNorms per block (keep their input in the activation dtype)."""
+    activation: str
+    """What a plain MLP's activation keeps: `input` (a fused GELU/SiLU), `output` (ReLU: the
+    output, which is also the down projection's input) or `gelu_new` (GPT-2's GELU built from
+    elementary ops: its input, tanh, 0.5·x and 1 + tanh)."""
+    fused_qkv_view: bool
+    """q, k, v come out of one fused layer and q, k are rotated: v is a view of the fused
+    output, which therefore stays alive whole (Phi-3, GPT-NeoX)."""
+    attention: str
+    """The attention implementation transformers picks for this model by default (Gemma2:
+    `eager`, for its logit soft-capping; most: `sdpa`)."""
+    softcap: bool
+    """Attention logits soft-capped (tanh): eager attention keeps one more s×s tensor."""
     modules: ModuleTree
     """The linear layers (with their roles), head, embeddings and module names."""
 
@@ -179,6 +191,8 @@ class Architecture:
         norms = [m for m in block.modules() if type(m).__name__.endswith("Norm")
                  and getattr(getattr(m, "weight", None), "shape", (0,))[-1] == hidden]
         layer_norms = sum(isinstance(m, torch.nn.LayerNorm) for m in norms)
+        kinds = {type(m).__name__ for m in block.modules()}
+        rotary = any("Rotary" in type(m).__name__ for m in model.modules())
         return cls(
             model_type=config.model_type, hidden=hidden, layers=config.num_hidden_layers,
             heads=heads, kv_heads=kv_total // 2 // head_dim, head_dim=head_dim,
@@ -186,7 +200,12 @@ class Architecture:
             vocab=tree.head.out_features,
             tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
             params=sum(p.numel() for p in model.parameters()),
-            rms_norms=len(norms) - layer_norms, layer_norms=layer_norms, modules=tree)
+            rms_norms=len(norms) - layer_norms, layer_norms=layer_norms,
+            activation="output" if "ReLU" in kinds else "gelu_new" if "NewGELUActivation" in kinds
+            else "input",
+            fused_qkv_view=len(first["attn_in"]) == 1 and rotary,
+            attention=getattr(model.config, "_attn_implementation", None) or "sdpa",
+            softcap=bool(getattr(config, "attn_logit_softcapping", None)), modules=tree)
 
 
 _CACHE: dict[tuple[str, bool], Architecture] = {}
