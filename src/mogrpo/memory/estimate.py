@@ -18,13 +18,22 @@ p the activation dtype's bytes and I the MLP width:
     4·h per RMSNorm        HF RMSNorms upcast and keep their input in fp32 (Llama: 2, Gemma2: 4)
   + p·h per LayerNorm      the input, in the activation dtype (GPT-2, OPT, GPT-NeoX, Falcon)
   + p·(2·q_dim + 2·kv_dim) q, k, v and the output, kept by the fused attention kernel
-  + 3·p·I | p·I            gated MLP: gate, act(gate), up | plain MLP: the activation's input
-                           (a GELU built from elementary ops, GPT-2's gelu_new, keeps ~3 I more)
+  + p·(q_dim + kv_dim)     fused QKV with rotary q, k (Phi-3, GPT-NeoX): v is a view of the
+                           fused output, which stays alive whole
+  + 3·p·I | p·I            gated MLP: gate, act(gate), up | plain MLP: what the activation
+                           keeps — a fused GELU its input, ReLU its output (the down projection's
+                           input too), GPT-2's gelu_new (elementary ops) 4·p·I
   + p·(n_rms·h + 2·h + I)  full fine-tuning only: the inputs of trainable weights (RMSNorm
-                           weights, attention and MLP inputs, the MLP output projection's input)
+                           weights, attention and MLP inputs, the MLP output projection's input
+                           unless a ReLU keeps it already)
   + (4 + m)·d_in + 4·r     per LoRA module: fp32 dropout output (peft casts to the adapter
                            dtype) and its mask (m = 1 byte on CUDA, 4 on CPU), lora_A's output
-  + a·s·(4 + p)            eager attention only: softmax output (fp32) and its cast
+  + a·s·(4 + p [+ p])      eager attention only (asked for, or the model's default, e.g.
+                           Gemma2's): softmax output (fp32) and its cast [and the tanh of
+                           logit soft-capping]
+
+Checked against what autograd keeps on CPU for eleven families in
+`benchmarks/results/memory_architectures.md` (−7 % … +7 %).
 
 Every block is costed like the first (true of the dense decoders covered). With gradient
 checkpointing each layer keeps only its input (p·h) and one layer is recomputed at a time

@@ -187,7 +187,7 @@ class Architecture:
                 f"({shapes}); the memory planner covers decoders with q/k/v (or fused qkv), an "
                 "output projection and a plain or gated MLP")
         head_dim = q_dim // heads
-        block = model.get_submodule(_block_name(tree.linears))
+        block = model.get_submodule(f"{_decoder_blocks(model, config.num_hidden_layers)}.0")
         norms = [m for m in block.modules() if type(m).__name__.endswith("Norm")
                  and getattr(getattr(m, "weight", None), "shape", (0,))[-1] == hidden]
         layer_norms = sum(isinstance(m, torch.nn.LayerNorm) for m in norms)
@@ -242,9 +242,9 @@ def meta_model(config: Mapping[str, Any] | Any, *, trust_remote_code: bool = Fal
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except (ValueError, ImportError) as err:
+    except Exception as err:  # noqa: BLE001 - any model code may fail on meta; say which model
         raise ModelError(f"cannot build the {config.model_type!r} model from its config to read "
-                         f"its shape: {err}") from None
+                         f"its shape ({type(err).__name__}: {err})") from None
 
 
 def _refuse_moe(config: Mapping[str, Any] | Any) -> None:
@@ -265,12 +265,6 @@ def _decoder_blocks(model: Any, layers: int) -> str:
             return name
     raise ModelError(f"cannot find the {layers} decoder blocks of {type(model).__name__} "
                      "(no list of num_hidden_layers modules); the memory planner covers decoders")
-
-
-def _block_name(linears: list[LinearLayer]) -> str:
-    """The module name of block 0, from its first linear layer's name."""
-    name = next(x.name for x in linears if x.layer == 0)
-    return re.match(r"(.*?\.0)\.", name)[1]
 
 
 def _shape(module: Any) -> tuple[int, int]:
@@ -373,7 +367,7 @@ def check_lora_targets(config: Any, target_modules: list[str] | str, *,
     here (peft then checks the names after loading)."""
     try:
         tree = ModuleTree.from_model(meta_model(config, trust_remote_code=trust_remote_code))
-    except Exception as err:  # noqa: BLE001 - an early courtesy: peft checks after loading
+    except ModelError as err:  # an early courtesy: peft still checks the names after loading
         log.debug("LoRA targets not checked before loading: %s", err)
         return None
     return lora_targets(tree, target_modules)
