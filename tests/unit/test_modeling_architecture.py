@@ -6,8 +6,9 @@ import warnings
 
 import pytest
 
-from architectures import build_family
+from architectures import FAMILIES, LAYERS, build_family, family_config
 from mogrpo.errors import ConfigError
+from mogrpo.modeling import ModuleTree, lora_targets
 from mogrpo.modeling import load as load_module
 from mogrpo.modeling.load import LoraSettings, load_policy
 
@@ -36,3 +37,22 @@ def test_conv1d_models_get_fan_in_fan_out_without_a_warning(gpt2_dir, tiny_model
     # a model of nn.Linear layers keeps the flag off
     llama, _ = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4))
     assert llama.peft_config["default"].fan_in_fan_out is False
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_all_linear_is_what_peft_wraps(family):
+    """The planner's LoRA accounting and peft agree on the modules, family by family."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(family))
+    ours = {m.name for m in lora_targets(ModuleTree.from_model(model), "all-linear")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's Conv1D notice: not what this test is about
+        wrapped = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear"))
+    theirs = {n.removeprefix("base_model.model.") for n, m in wrapped.named_modules()
+              if isinstance(m, LoraLayer)}
+    assert ours == theirs and len(ours) >= 4 * LAYERS
