@@ -25,7 +25,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-_DROPOUT_NAME = re.compile(r".*(dropout|pdrop)$|layerdrop")
+# rate names in transformers: dropout, attention_dropout, attn_pdrop, layerdrop, dropout_p,
+# hidden_dropout_prob, attn_drop, dropout_rate, … (flags such as token_dropout are booleans)
+_DROPOUT_NAME = re.compile(r"[a-z_]*(dropout|pdrop|drop)(_p|_prob|_rate)?")
 _ORIGINAL = "_mogrpo_dropout_config"  # attribute of the base model: {config path: value}
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                     nn.FeatureAlphaDropout)
