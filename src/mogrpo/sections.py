@@ -36,6 +36,9 @@ class ModelConfig(Section):
     """Load weights in 4-bit NF4 via bitsandbytes (CUDA only; `pip install mogrpo[gpu]`)."""
     use_chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
+    disable_dropout: bool = True
+    """Set the model's own dropout to 0 at load (SFT warm-up included), so rollout, old,
+    reference and update passes score identically; LoRA's `lora.dropout` stays as set."""
 
 
 class LoraConfig(Section):

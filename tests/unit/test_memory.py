@@ -12,7 +12,7 @@ from mogrpo.config import RunConfig
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.memory import (
     GIB,
-    ModelShape,
+    Architecture,
     estimate,
     ladder,
     load_model_config,
@@ -75,17 +75,17 @@ def make_run(data: dict, changes: dict) -> RunConfig:
 
 
 def test_parameter_counts_match_the_published_sizes():
-    llama = ModelShape.from_config(LLAMA_8B)
+    llama = Architecture.from_config(LLAMA_8B)
     # per layer: q 4096² + k, v 4096·1024 each + o 4096² + gate, up, down 4096·14336 each
     #          = 16,777,216·2 + 4,194,304·2 + 58,720,256·3 = 218,103,808; × 32 = 6,979,321,856
     assert llama.linear_params() == 6_979_321_856
     # + embeddings and head 128256·4096 = 525,336,576 each + norms 2·4096·32 + 4096
-    assert llama.params() == 6_979_321_856 + 2 * 525_336_576 + 262_144 + 4096 == 8_030_261_248
-    qwen = ModelShape.from_config(QWEN_1_5B)
+    assert llama.params == 6_979_321_856 + 2 * 525_336_576 + 262_144 + 4096 == 8_030_261_248
+    qwen = Architecture.from_config(QWEN_1_5B)
     # per layer: q, o 1536² + k, v 1536·256 + gate, up, down 1536·8960 = 46,792,704; biases
     # 1536 + 2·256; norms 2·1536. Tied: the embedding 151936·1536 = 233,373,696 counts once.
-    assert qwen.params() == 28 * (46_792_704 + 2048 + 3072) + 1536 + 233_373_696 == 1_543_714_304
-    assert (qwen.kv_dim, qwen.head_dim, qwen.qkv_bias) == (256, 128, True)
+    assert qwen.params == 28 * (46_792_704 + 2048 + 3072) + 1536 + 233_373_696 == 1_543_714_304
+    assert (qwen.kv_dim, qwen.head_dim, qwen.tied, llama.tied) == (256, 128, True, False)
 
 
 def test_llama_8b_lora_terms():
@@ -262,7 +262,7 @@ def write_run(tmp_path: Path, **sections) -> Path:
 def test_memory_command_prints_table_and_ladder(tmp_path: Path, capsys):
     assert main([str(write_run(tmp_path)), "--gpu-memory", "40GB"]) == 1
     out = capsys.readouterr().out
-    assert "memory estimate: 8.03 B params" in out and "activations (training)" in out
+    assert "memory estimate: llama, 8.03 B params" in out and "activations (training)" in out
     assert "does not fit: 120.2 GiB > 37.3 GiB (40GB = decimal units" in out
     assert "1. micro-batch down, accumulation up" in out
     assert "--set train.micro_batch_size=2 --set train.gradient_accumulation_steps=8" in out

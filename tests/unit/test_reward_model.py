@@ -116,7 +116,7 @@ def test_memory_planner_counts_it(tmp_path, reward_model):
     from mogrpo.memory import reward_model_configs
 
     config = run_config(tmp_path, reward_model, dtype="bfloat16")
-    policy = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    policy = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "intermediate_size": 128, "vocab_size": 500}
     configs = reward_model_configs(config)
     with_rm = estimate(policy, config, reward_models=configs)

@@ -1,23 +1,17 @@
-"""The GPU memory planner: estimate a run's peak from config.json alone, and what to change.
+"""The GPU memory planner: estimate a run's peak from the model's config alone, and what to change.
 
 `estimate` (the per-term model), `ladder` (changes that make it fit), `measure` (the peak this
 process reached) and `cli` (`mogrpo memory`).
 """
 
 from mogrpo.memory.cli import add_parser, cmd_memory, load_model_config, main, parse_size
-from mogrpo.memory.estimate import (
-    GIB,
-    MemoryEstimate,
-    ModelShape,
-    Term,
-    estimate,
-    reward_model_configs,
-)
+from mogrpo.memory.estimate import GIB, MemoryEstimate, Term, estimate, reward_model_configs
 from mogrpo.memory.ladder import Step, ladder
 from mogrpo.memory.measure import peak_bytes, reset_peak
+from mogrpo.modeling.architecture import Architecture
 
 __all__ = [
-    "GIB", "MemoryEstimate", "ModelShape", "Step", "Term", "add_parser", "cmd_memory",
+    "GIB", "Architecture", "MemoryEstimate", "Step", "Term", "add_parser", "cmd_memory",
     "estimate", "ladder", "load_model_config", "main", "parse_size", "peak_bytes", "reset_peak",
     "reward_model_configs",
 ]

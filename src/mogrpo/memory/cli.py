@@ -14,6 +14,7 @@ from mogrpo.config import load_config
 from mogrpo.errors import ConfigError, ModelError, MogrpoError
 from mogrpo.memory.estimate import GIB, estimate, reward_model_configs
 from mogrpo.memory.ladder import ladder
+from mogrpo.modeling.architecture import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if gpu is None and torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(0).total_memory
     rms = reward_model_configs(config)
-    result = estimate(model_config, config, reward_models=rms)
+    # the module tree is built (on the meta device) once; the ladder re-estimates many configs
+    shape = Architecture.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
+    result = estimate(shape, config, reward_models=rms)
     print(result.table())
     if gpu is None:
         print("\nno GPU given or visible: pass --gpu-memory 24GB to check the fit")
@@ -96,7 +99,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     hint = f" ({args.gpu_memory} = decimal units; write GiB for binary)" if decimal else ""
     print(f"\ndoes not fit: {result.total / GIB:.1f} GiB > {gpu / GIB:.1f} GiB{hint}. Changes, "
           "cumulative, cheapest first:")
-    steps = ladder(lambda c: estimate(model_config, c, reward_models=rms), config, gpu)
+    steps = ladder(lambda c: estimate(shape, c, reward_models=rms), config, gpu)
     for n, step in enumerate(steps, 1):
         print(f"  {n}. {step.change} — saves {step.saving / GIB:.1f} GiB → {step.total / GIB:.1f} "
               f"GiB\n     cost: {step.cost}\n     --set {' --set '.join(step.overrides)}")

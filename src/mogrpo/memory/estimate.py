@@ -1,37 +1,55 @@
-"""Peak GPU memory of a GRPO run, estimated from the model's config.json alone (no weights).
+"""Peak GPU memory of a GRPO run, estimated from the model's config alone (no weights).
 
 Peak = what is always resident (weights, adapters, gradients, AdamW states, reference copy, CUDA
 context) + the largest of three phases that never overlap: generation (KV cache, prefill),
 training (one micro-batch's activations and logits) and the AdamW step's temporaries.
 
+The model's shape comes from its own module tree, built on the meta device
+(`mogrpo.modeling.architecture`): parameters counted exactly, every linear layer with its
+shape, so fused QKV, gated or plain MLPs, multi-query / grouped attention, Conv1D and tied
+embeddings count as they are, and LoRA is costed on the modules it would actually wrap.
+
 Activations follow the method of Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models" (arXiv 2205.05198, §4.1): count, per layer and token, every tensor
 autograd keeps for the backward pass. Their GPT block gives 34·h + 5·a·s bytes (16-bit);
-a Hugging Face Llama/Qwen2 block (RMSNorm, SwiGLU, GQA, fused SDPA/flash attention that keeps
-no s×s scores) keeps, with p the activation dtype's bytes:
+a Hugging Face decoder block with fused SDPA/flash attention (no s×s scores kept) keeps, with
+p the activation dtype's bytes and I the MLP width:
 
-    8·h                    the two RMSNorm inputs (HF RMSNorm upcasts and keeps them in fp32)
+    4·h per RMSNorm        HF RMSNorms upcast and keep their input in fp32 (Llama: 2, Gemma2: 4)
+  + p·h per LayerNorm      the input, in the activation dtype (GPT-2, OPT, GPT-NeoX, Falcon)
   + p·(2·q_dim + 2·kv_dim) q, k, v and the output, kept by the fused attention kernel
-  + 3·p·I                  SwiGLU: gate, SiLU(gate), up
-  + p·(4·h + I)            full fine-tuning only: the inputs of trainable weights
+  + p·(q_dim + kv_dim)     fused QKV with rotary q, k (Phi-3, GPT-NeoX): v is a view of the
+                           fused output, which stays alive whole
+  + 3·p·I | p·I            gated MLP: gate, act(gate), up | plain MLP: what the activation
+                           keeps — a fused GELU its input, ReLU its output (the down projection's
+                           input too), GPT-2's gelu_new (elementary ops) 4·p·I
+  + p·(n_rms·h + 2·h + I)  full fine-tuning only: the inputs of trainable weights (RMSNorm
+                           weights, attention and MLP inputs, the MLP output projection's input
+                           unless a ReLU keeps it already)
   + (4 + m)·d_in + 4·r     per LoRA module: fp32 dropout output (peft casts to the adapter
                            dtype) and its mask (m = 1 byte on CUDA, 4 on CPU), lora_A's output
-  + a·s·(4 + p)            eager attention only: softmax output (fp32) and its cast
+  + a·s·(4 + p [+ p])      eager attention only (asked for, or the model's default, e.g.
+                           Gemma2's): softmax output (fp32) and its cast [and the tanh of
+                           logit soft-capping]
 
-With gradient checkpointing each layer keeps only its input (p·h) and one layer is recomputed
-at a time (Korthikanti's "full recomputation", 2·s·b·h per layer in 16-bit).
+Checked against what autograd keeps on CPU for eleven families in
+`benchmarks/results/memory_architectures.md` (−7 % … +7 %).
+
+Every block is costed like the first (true of the dense decoders covered). With gradient
+checkpointing each layer keeps only its input (p·h) and one layer is recomputed at a time
+(Korthikanti's "full recomputation", 2·s·b·h per layer in 16-bit).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mogrpo.config import RunConfig, derive_lengths
-from mogrpo.errors import ConfigError, ModelError, MogrpoError
+from mogrpo.errors import ConfigError, MogrpoError
+from mogrpo.modeling.architecture import Architecture, LinearLayer, lora_targets
 
 GIB = 2**30
 CUDA_OVERHEAD = GIB
@@ -40,75 +58,7 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """bitsandbytes NF4 with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits per weight,
 an 8-bit absmax per 64-weight block and an fp32 constant per 256 blocks = 4.127 bits."""
 ADAPTER_BYTES = 4  # peft's autocast_adapter_dtype keeps LoRA weights in fp32
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a Llama-style decoder that memory depends on."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool = False
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any] | Any) -> ModelShape:
-        """From a config.json dict or a transformers `PretrainedConfig` (text part of multimodal)."""
-        if not isinstance(config, Mapping):
-            config = config.get_text_config().to_dict()
-        config = config.get("text_config") or config
-        experts = [config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
-        if any(isinstance(e, int) and e > 1 for e in experts):
-            raise ModelError("mixture-of-experts configs are not modelled by the memory planner "
-                             "yet; it covers dense decoders (Llama, Qwen2, Mistral, Gemma)")
-        need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size")
-        missing = [k for k in need if not config.get(k)]
-        if missing:
-            raise ModelError(f"the model config lacks {', '.join(missing)}; the memory planner "
-                             "needs a Llama-style decoder config.json")
-        heads = config["num_attention_heads"]
-        return cls(
-            hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate=config["intermediate_size"], vocab=config["vocab_size"],
-            tied=bool(config.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama/Mistral only with attention_bias.
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias")),
-        )
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each projection in one block."""
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    def linear_params(self) -> int:
-        """Weights of every block projection (what 4-bit quantises)."""
-        return self.layers * sum(a * b for a, b in self.linears().values())
-
-    def params(self) -> int:
-        """All parameters: embeddings, blocks (projections, q/k/v biases, 2 norms), final norm, head."""
-        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        embed = self.vocab * self.hidden
-        return (embed * (1 if self.tied else 2) + self.linear_params()
-                + self.layers * (bias + 2 * self.hidden) + self.hidden)
 
 
 @dataclass
@@ -157,60 +107,57 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def lora_modules(target: list[str] | str) -> list[str]:
-    """Block projections LoRA adapts: `all-linear` = all seven (peft leaves the head out)."""
-    if target == "all-linear":
-        return list(PROJECTIONS)
-    if isinstance(target, str):  # peft: a regex matched against the full module name
-        found = [p for p in PROJECTIONS if re.fullmatch(target, p) or re.fullmatch(
-            target, f"model.layers.0.{'mlp' if p in PROJECTIONS[4:] else 'self_attn'}.{p}")]
-    else:
-        unknown = [t for t in target if t not in PROJECTIONS]
-        if unknown:
-            raise ConfigError(f"lora.target_modules {unknown} are not projections the memory "
-                              f"planner knows ({', '.join(PROJECTIONS)}); use those names")
-        found = [p for p in PROJECTIONS if p in target]
-    if not found:
-        raise ConfigError(f"lora.target_modules = {target!r} matches no projection of "
-                          f"{', '.join(PROJECTIONS)}")
-    return found
+def lora_modules(shape: Architecture, target: list[str] | str) -> list[LinearLayer]:
+    """The modules LoRA wraps (peft's rules; `all-linear` = every linear but the head)."""
+    return lora_targets(shape.modules, target)
 
 
-def layer_activation_bytes(shape: ModelShape, p: int, *, full_ft: bool, lora: list[str],
+def layer_activation_bytes(shape: Architecture, p: int, *, full_ft: bool, lora: list[LinearLayer],
                            rank: int, dropout: float, mask_bytes: int, eager_len: int = 0) -> int:
-    """Bytes autograd keeps per token in one decoder layer (formula in the module docstring)."""
+    """Bytes autograd keeps per token in one decoder layer (formula in the module docstring).
+
+    `lora`: the adapted layers of one block."""
     h, i = shape.hidden, shape.intermediate
-    total = 2 * 4 * h + p * (2 * shape.q_dim + 2 * shape.kv_dim) + 3 * p * i
+    total = 4 * shape.rms_norms * h + p * shape.layer_norms * h
+    total += p * (2 * shape.q_dim + 2 * shape.kv_dim)
+    if shape.fused_qkv_view:  # v keeps the whole fused q|k|v output alive
+        total += p * (shape.q_dim + shape.kv_dim)
     if eager_len:
-        total += shape.heads * eager_len * (4 + (p if p < 4 else 0))
+        total += shape.heads * eager_len * (4 + (p if p < 4 else 0) + (p if shape.softcap else 0))
+    # the MLP output projection's input: kept by a ReLU anyway, else only when it is trained
+    down_input_kept = not shape.gated_mlp and shape.activation == "output"
+    total += p * i * (3 if shape.gated_mlp else {"output": 1, "gelu_new": 4}.get(
+        shape.activation, 1))
     if full_ft:
-        total += p * (4 * h + i)
-    linears = shape.linears()
+        total += p * (shape.rms_norms * h + 2 * h + (0 if down_input_kept else i))
     if dropout > 0 or p < ADAPTER_BYTES:
         # each module makes its own fp32 copy of its input (cast, then dropout with a mask)
         mask = mask_bytes if dropout > 0 else 0
-        total += sum((ADAPTER_BYTES + mask) * linears[m][0] for m in lora)
-    elif not full_ft:  # fp32, no dropout: one saved input per distinct input, o's is kept already
-        groups = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp",
-                  "up_proj": "mlp", "down_proj": "down"}
-        total += sum(linears[{"qkv": "q_proj", "mlp": "gate_proj", "down": "down_proj"}[g]][0]
-                     for g in {groups[m] for m in lora if m in groups}) * ADAPTER_BYTES
+        total += sum((ADAPTER_BYTES + mask) * m.in_features for m in lora)
+    elif not full_ft:
+        # fp32, no dropout: modules that share an input save it once; the attention output
+        # projection's input is kept by the attention already
+        inputs = {m.role: m.in_features for m in lora if m.role != "attn_out"
+                  and not (m.role == "mlp_out" and down_input_kept)}
+        total += sum(inputs.values()) * ADAPTER_BYTES
     return total + len(lora) * ADAPTER_BYTES * rank
 
 
-def estimate(model_config: Mapping[str, Any] | Any, run: RunConfig, *,
+def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfig, *,
              dtype_bytes: int | None = None, device: str = "cuda",
              master_weights: bool = False,
              reward_models: Mapping[str, Any] | None = None) -> MemoryEstimate:
     """Estimate the peak memory of `run` on one `device` ("cuda" or "cpu") for this model.
 
-    `dtype_bytes` overrides the weight dtype (`model.dtype`; `auto` = bf16 on CUDA, fp32 on
+    `model_config`: an `Architecture`, a transformers config or a config.json dict (its module
+    tree is built on the meta device once and cached). `dtype_bytes` overrides the weight dtype (`model.dtype`; `auto` = bf16 on CUDA, fp32 on
     CPU). The optimizer is mogrpo's: torch AdamW, states in the trainable parameters' dtype;
     `master_weights=True` models mixed precision instead (fp32 master copy + fp32 m, v).
     `reward_models` maps each `fn: reward_model` reward (`tasks.NAME.rewards.I`) to its
     config (see :func:`reward_model_configs`); one left out is not counted, and said so.
     """
-    shape = ModelShape.from_config(model_config)
+    shape = model_config if isinstance(model_config, Architecture) else Architecture.from_config(
+        model_config, trust_remote_code=run.model.trust_remote_code)
     mc, lc = run.model, run.lora
     if mc.load_in_4bit and not lc.enabled:
         raise ConfigError("model.load_in_4bit trains nothing without LoRA (4-bit weights are "
@@ -226,13 +173,16 @@ def estimate(model_config: Mapping[str, Any] | Any, run: RunConfig, *,
     terms += rm_terms
     terms.sort(key=lambda t: PHASES.index(t.phase))  # stable: resident first, then by phase
     prompt, completion = derive_lengths(run.rollout)
-    title = (f"memory estimate: {shape.params() / 1e9:.2f} B params, {w} B weights"
+    title = (f"memory estimate: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
+             f"{w} B weights"
              f"{' (4-bit base)' if mc.load_in_4bit else ''}, "
              f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
              f"{run.train.micro_batch_size} × ({prompt} prompt + {completion} completion) tokens")
+    eager = (mc.attn_implementation or shape.attention) == "eager"
     assumptions = [
-        "eager attention keeps s×s scores" if mc.attn_implementation == "eager" else
-        "fused SDPA/flash attention (no s×s scores kept)",
+        "eager attention keeps s×s scores" + (f" ({shape.model_type}'s default)"
+                                              if not mc.attn_implementation else "")
+        if eager else "fused SDPA/flash attention (no s×s scores kept)",
         "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
         "gradients resident: from the 2nd micro-batch and through the next generation on "
@@ -251,25 +201,25 @@ def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note
     terms.append(Term(key, label, int(math.ceil(value)), phase, note))
 
 
-def _resident_terms(shape: ModelShape, run: RunConfig, w: int, device: str,
+def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
                     master_weights: bool) -> list[Term]:
     """Weights, adapters, gradients, AdamW states, reference, CUDA context."""
     mc, lc = run.model, run.lora
-    n_all, n_lin = shape.params(), shape.linear_params()
-    modules = lora_modules(lc.target_modules) if lc.enabled else []
-    linears = shape.linears()
-    n_lora = shape.layers * sum(lc.r * sum(linears[m]) for m in modules)
+    n_all, n_lin = shape.params, shape.linear_params()
+    modules = lora_modules(shape, lc.target_modules) if lc.enabled else []
+    n_lora = sum(lc.r * (m.in_features + m.out_features) for m in modules)
     trainable, t_bytes = (n_lora, ADAPTER_BYTES) if lc.enabled else (n_all, w)
     terms: list[Term] = []
     if mc.load_in_4bit:
         _add(terms, "weights", "weights (4-bit NF4)", n_lin * NF4_BYTES + (n_all - n_lin) * 4,
-             "always", f"{n_lin / 1e9:.2f} B block weights × {NF4_BYTES:.3f} B + "
+             "always", f"{n_lin / 1e9:.2f} B linear weights × {NF4_BYTES:.3f} B + "
              f"{(n_all - n_lin) / 1e9:.2f} B others × 4 B (fp32)")
     else:
         _add(terms, "weights", "weights", n_all * w, "always", f"{n_all / 1e9:.2f} B × {w} B")
     if lc.enabled:
         _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * ADAPTER_BYTES, "always",
-             f"{n_lora / 1e6:.1f} M × 4 B (fp32), {len(modules)} modules × {shape.layers} layers")
+             f"{n_lora / 1e6:.1f} M × 4 B (fp32), {len(modules)} modules "
+             f"({', '.join(sorted({m.leaf for m in modules}))})")
     _add(terms, "gradients", "gradients", trainable * t_bytes, "always",
          f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B")
     state = 12 if master_weights and t_bytes < 4 else 2 * t_bytes
@@ -287,24 +237,27 @@ def _resident_terms(shape: ModelShape, run: RunConfig, w: int, device: str,
     return terms
 
 
-def _activations(shape: ModelShape, run: RunConfig, p: int, device: str, batch: int, seq: int,
+def _activations(shape: Architecture, run: RunConfig, p: int, device: str, batch: int, seq: int,
                  head_positions: int) -> tuple[int, int]:
     """(bytes, per token per layer) autograd keeps for `batch` sequences of `seq` tokens."""
     lc = run.lora
+    lora = [m for m in lora_modules(shape, lc.target_modules) if m.layer == 0] if lc.enabled else []
     per_layer = layer_activation_bytes(
-        shape, p, full_ft=not lc.enabled, lora=lora_modules(lc.target_modules) if lc.enabled
-        else [], rank=lc.r, dropout=lc.dropout, mask_bytes=1 if device == "cuda" else 4,
-        eager_len=seq if run.model.attn_implementation == "eager" else 0)
+        shape, p, full_ft=not lc.enabled, lora=lora, rank=lc.r, dropout=lc.dropout,
+        mask_bytes=1 if device == "cuda" else 4,
+        eager_len=seq if (run.model.attn_implementation or shape.attention) == "eager" else 0)
     tokens = batch * seq
-    # final norm's fp32 input; a trainable head also keeps its normed input and the head's input
-    head = tokens * 4 * shape.hidden + (0 if lc.enabled else p * shape.hidden * (
+    # the final norm's input (fp32 for an RMSNorm); a trainable head also keeps its normed
+    # input and the head's input
+    norm = 4 if shape.rms_norms else p
+    head = tokens * norm * shape.hidden + (0 if lc.enabled else p * shape.hidden * (
         tokens + batch * head_positions))
     if run.model.gradient_checkpointing:  # layer inputs + one layer recomputed at a time
         return tokens * (shape.layers * p * shape.hidden + per_layer) + head, per_layer
     return tokens * shape.layers * per_layer + head, per_layer
 
 
-def _phase_terms(shape: ModelShape, run: RunConfig, p: int, device: str) -> list[Term]:
+def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str) -> list[Term]:
     """Generation (KV cache, prefill) and training (activations, logits) of one step."""
     prompt, completion = derive_lengths(run.rollout)
     seq, b = prompt + completion, run.train.micro_batch_size
@@ -313,9 +266,11 @@ def _phase_terms(shape: ModelShape, run: RunConfig, p: int, device: str) -> list
     terms: list[Term] = []
     _add(terms, "kv_cache", "KV cache (generation)", kv_token * seq * n_gen, "generation",
          f"{n_gen} seqs × {seq} tokens × {kv_token / 1024:.0f} KiB ({shape.kv_heads} KV heads)")
-    # no_grad prefill: one layer's residual, normed input and SwiGLU at a time; last-token logits
+    # no_grad prefill: one layer's residual, normed input and MLP (gate, up, act | fc1, act) at
+    # a time; last-token logits
+    mlp = (3 if shape.gated_mlp else 2) * shape.intermediate
     _add(terms, "prefill", "prefill working set",
-         n_gen * prompt * p * (2 * shape.hidden + 3 * shape.intermediate) + n_gen * shape.vocab * 12,
+         n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12,
          "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a time")
     act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1)
     how = "checkpointed" if run.model.gradient_checkpointing else "no checkpointing"
@@ -359,7 +314,7 @@ def _reward_model_terms(run: RunConfig, configs: Mapping[str, Any], device: str,
             notes.append(f"reward model {options.get('model')} ({where}) not counted: its "
                          "config.json was not available")
             continue
-        shape = ModelShape.from_config(config)
+        shape = Architecture.from_config(config)
         rm_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(options.get("dtype", "auto"),
                                                                    4 if device == "cpu" else w)
         params = model_params(config)

@@ -21,6 +21,9 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from mogrpo.errors import ConfigError, ModelError
+from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_targets
+from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
+from mogrpo.modeling.dropout import original_dropout_config
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +148,13 @@ def load_policy(
     lora: LoraSettings | None = None,
     load_in_4bit: bool = False,
     tokenizer_name_or_path: str | None = None,
+    disable_dropout: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM (optionally 4-bit, with LoRA) and its tokenizer from a directory or hub id."""
+    """Load a causal LM (optionally 4-bit, with LoRA) and its tokenizer from a directory or hub id.
+
+    `disable_dropout` sets the model's own dropout to 0 (see `mogrpo.modeling.dropout`; LoRA's
+    dropout is kept); a wrong `lora.target_modules` is reported before the weights load.
+    """
     torch_dtype = resolve_dtype(dtype)
     _check_accelerators(load_in_4bit, attn_implementation)
     _check_source(name_or_path, "model")
@@ -162,6 +170,8 @@ def load_policy(
             f"model {name_or_path!r} (model_type {config.model_type!r}) is not a causal language model; "
             "mogrpo trains decoder-only models such as Llama, Qwen2, Mistral or Gemma"
         )
+    if lora is not None:
+        check_lora_targets(config, lora.target_modules, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(
         tokenizer_name_or_path or name_or_path, trust_remote_code=trust_remote_code
     )
@@ -185,6 +195,8 @@ def load_policy(
         raise _unreachable(name_or_path, "model", err) from err
     except (ValueError, ImportError) as err:
         raise ModelError(f"cannot load model {name_or_path!r}: {err}") from err
+    if disable_dropout:
+        _log_dropout(switch_off_dropout(model), lora)
 
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
@@ -211,6 +223,16 @@ def load_policy(
     return model, tokenizer
 
 
+def _log_dropout(changed: dict[str, float], lora: LoraSettings | None) -> None:
+    if not changed:
+        return
+    fields = {k.removeprefix("config."): v for k, v in changed.items() if k.startswith("config.")}
+    shown = ", ".join(f"{k} {v:g}" for k, v in sorted(fields.items())) or "module rates"
+    kept = f"; LoRA dropout stays {lora.dropout:g}" if lora is not None else ""
+    logger.info("model dropout off in every pass (model.disable_dropout): %s → 0 (%d places)%s",
+                shown, len(changed), kept)
+
+
 def apply_lora(
     model: PreTrainedModel, settings: LoraSettings, *, input_grads: bool = False
 ) -> PreTrainedModel:
@@ -222,6 +244,7 @@ def apply_lora(
             f"lora r={settings.r}, alpha={settings.alpha}, dropout={settings.dropout}: need r >= 1, "
             "alpha > 0 and 0 <= dropout < 1"
         )
+    targets = lora_targets(ModuleTree.from_model(model), settings.target_modules)
     if input_grads:
         # Checkpointed blocks of a frozen base only pass gradients to the adapters if the
         # embedding output requires grad.
@@ -232,6 +255,9 @@ def apply_lora(
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
+        # transformers' Conv1D (GPT-2) stores its weight transposed: say so, rather than have
+        # peft correct the flag with a warning on every run
+        fan_in_fan_out=bool(targets) and all(t.conv1d for t in targets),
         bias="none",
     )
     with warnings.catch_warnings():
@@ -285,8 +311,7 @@ def save_model(
     paths: dict[str, Path] = {}
     if not _is_peft(model):
         paths["model"] = out / "model"
-        model.save_pretrained(paths["model"])
-        tokenizer.save_pretrained(paths["model"])
+        save_pretrained(model, tokenizer, paths["model"])
         return paths
 
     paths["adapter"] = out / "adapter"
@@ -304,10 +329,18 @@ def save_model(
         return paths
     merged_model = (model if in_place else copy.deepcopy(model)).merge_and_unload()
     paths["merged"] = out / "merged"
-    merged_model.save_pretrained(paths["merged"])
-    tokenizer.save_pretrained(paths["merged"])
+    save_pretrained(merged_model, tokenizer, paths["merged"])
     del merged_model
     return paths
+
+
+def save_pretrained(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                    out_dir: str | Path) -> None:
+    """`save_pretrained` of model and tokenizer; config.json keeps the dropout rates the model
+    was loaded with (training switched them off, see `mogrpo.modeling.dropout`)."""
+    with original_dropout_config(model):
+        model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def resolve_model_dir(path: str) -> str:

@@ -82,14 +82,14 @@ def _check_model(options: RewardModelOptions, where: str) -> None:
 
 
 def model_params(config: Any) -> int:
-    """Parameters of a Llama-style sequence classifier from its config (the memory planner)."""
-    from mogrpo.memory.estimate import ModelShape
+    """Parameters of a sequence classifier from its config (the memory planner)."""
+    from mogrpo.modeling.architecture import Architecture
 
-    shape = ModelShape.from_config(config)
+    shape = Architecture.from_config(config)
     raw = config if isinstance(config, dict) else config.to_dict()
     labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 1
     head = 0 if shape.tied else shape.vocab * shape.hidden  # no LM head; a score head instead
-    return shape.params() - head + shape.hidden * labels
+    return shape.params - head + shape.hidden * labels
 
 
 class RewardModelReward:

@@ -35,6 +35,7 @@ from mogrpo.modeling.load import (
     apply_lora,
     load_policy,
     save_model,
+    save_pretrained,
     trainable_parameters,
 )
 from mogrpo.modeling.reference import make_reference
@@ -154,6 +155,7 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
         lora=LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules) if lc.enabled else None,
         load_in_4bit=mc.load_in_4bit,
         tokenizer_name_or_path=None if base else mc.tokenizer,
+        disable_dropout=mc.disable_dropout,
     )
     if not mc.load_in_4bit:
         policy.to(device)
@@ -349,8 +351,7 @@ def finish_sft(ctx: TrainContext, sft_dir: Path, write: bool = True) -> None:
     if isinstance(ctx.policy, PeftModel):
         restart_adapter(ctx, sft_dir, write)
     elif write:
-        ctx.policy.save_pretrained(sft_dir)
-        ctx.tokenizer.save_pretrained(sft_dir)
+        save_pretrained(ctx.policy, ctx.tokenizer, sft_dir)
 
 
 def restart_adapter(ctx: TrainContext, sft_dir: Path, write: bool = True) -> None:
@@ -373,8 +374,7 @@ def restart_adapter(ctx: TrainContext, sft_dir: Path, write: bool = True) -> Non
     lc = ctx.config.lora
     merged = policy.merge_and_unload()
     if write:
-        merged.save_pretrained(sft_dir)
-        ctx.tokenizer.save_pretrained(sft_dir)
+        save_pretrained(merged, ctx.tokenizer, sft_dir)
     fresh = apply_lora(merged, LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules),
                        input_grads=ctx.config.model.gradient_checkpointing)
     fresh.peft_config["default"].base_model_name_or_path = str(sft_dir)

@@ -6,6 +6,7 @@ import logging
 import random
 
 import torch
+import torch.nn.functional as F
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
@@ -108,7 +109,14 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
             items = data[position: position + cfg.batch_size]
             position += cfg.batch_size
             input_ids, attention, labels = _collate(items, pad_id, ctx.device)
-            loss = policy(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+            logits = policy(input_ids=input_ids, attention_mask=attention,
+                            use_cache=False).logits  # [B, T, V]
+            # Mean cross-entropy of each target token given what precedes it, in fp32: exactly
+            # what transformers' `labels=` computes, without its loss lookup by class name
+            # (which warns for GPT-2's `GPT2LMHeadModel` on every run).
+            next_tokens = F.pad(labels, (0, 1), value=-100)[:, 1:]  # [B, T]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), next_tokens.flatten(),
+                                   ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, ctx.config.train.max_grad_norm)
