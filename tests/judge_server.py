@@ -3,7 +3,10 @@
 Binds 127.0.0.1 on an ephemeral port. Each request gets one scripted behaviour: the next one
 queued for a substring of its last message (`by_content`), else the next of `script`, else
 `default` (a behaviour or a function of the message text; by default the reply "7"). The server counts calls and the
-most requests it held in flight at once, and records every request's body and headers.
+most requests it held in flight at once (from arrival until it starts answering), and records
+every request's body and headers. With `overlap=k`, each request waits (up to 10 s) until k
+requests have been in flight at once before its delay starts, so a test of concurrency does not
+depend on how fast a loaded machine starts the client's threads.
 
     with FaultServer(script=[status(500)], default=reply("7")) as server:
         ...  # point a judge at server.url
@@ -75,15 +78,17 @@ class FaultServer:
 
     def __init__(self, *, script: list[Behaviour] | None = None,
                  by_content: dict[str, list[Behaviour]] | None = None,
-                 default: Default = SEVEN) -> None:
+                 default: Default = SEVEN, overlap: int = 0) -> None:
         self.script: deque[Behaviour] = deque(script or [])
         self.by_content = {k: deque(v) for k, v in (by_content or {}).items()}
         self.default = default
         self.calls = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.overlap = overlap
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.overlapped = threading.Condition(self.lock)  # notified when max_in_flight grows
         self.stopping = threading.Event()
         self.httpd: ThreadingHTTPServer | None = None
         self.thread: threading.Thread | None = None
@@ -122,6 +127,12 @@ class FaultServer:
             self.calls = self.max_in_flight = 0
             self.requests.clear()
 
+    def wait_for_overlap(self) -> None:
+        """Hold a request until `overlap` requests have been in flight at once (10 s at most)."""
+        with self.overlapped:
+            self.overlapped.wait_for(
+                lambda: self.max_in_flight >= self.overlap or self.stopping.is_set(), timeout=10)
+
     def choose(self, content: str) -> Behaviour:
         with self.lock:
             for needle, queue in self.by_content.items():
@@ -155,16 +166,21 @@ def _handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 server.requests.append({"body": data, "headers": dict(self.headers)})
+                server.overlapped.notify_all()
             try:
                 behaviour = server.choose(content)
+                server.wait_for_overlap()
                 if behaviour.delay:
                     server.stopping.wait(behaviour.delay)
+            finally:
+                # No longer in flight once answering starts: the client may send its next
+                # request as soon as it reads this answer, possibly before this thread runs again.
+                with server.lock:
+                    server.in_flight -= 1
+            try:
                 self._act(behaviour, data or {})
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client gave up (its timeout): nothing left to answer
-            finally:
-                with server.lock:
-                    server.in_flight -= 1
 
         def _act(self, behaviour: Behaviour, data: dict[str, Any]) -> None:
             if behaviour.kind == "drop":
