@@ -91,6 +91,9 @@ class QuickEval:
         self.writer = MetricsWriter(run_dir / "eval.jsonl")
         self.pareto = ParetoTracker([t.name for t in ctx.tasks])
         self.scores: dict[str, dict[str, float]] = {}
+        self.records: list[dict] = []
+        """Every line written to eval.jsonl: part of the state, so a resume rewrites the file
+        to exactly the evals its checkpoint knows of."""
 
     def __call__(self, tag: str, step: int, step_metrics: dict[str, float] | None = None
                  ) -> dict[str, float]:
@@ -108,7 +111,8 @@ class QuickEval:
                 log.info("  [%s] %s\n    -> %s", name, prompt.replace("\n", " ")[-120:], completion)
         record = {n: {k: v for k, v in asdict(r).items() if k != "samples"}
                   for n, r in results.items()}
-        self.writer.write({"step": step, "tag": tag, **record})
+        self.records.append({"step": step, "tag": tag, **record})
+        self.writer.write(self.records[-1])
         self.scores[tag] = {n: r.score for n, r in results.items()}
         self.pareto.add(Point(f"step-{step}", step, self.scores[tag]))
         self.pareto.save(self.run_dir / "pareto.json")
@@ -119,8 +123,10 @@ class QuickEval:
         self.writer.close()
 
     def state_dict(self) -> dict:
-        return {"pareto": self.pareto.state_dict(), "scores": self.scores}
+        return {"pareto": self.pareto.state_dict(), "scores": self.scores,
+                "records": list(self.records)}
 
     def load_state_dict(self, state: dict) -> None:
         self.pareto.load_state_dict(state["pareto"])
         self.scores = dict(state["scores"])
+        self.records = list(state["records"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,9 @@ def check_drift(changes: list[Change], allow: bool, checkpoint: Path) -> list[Ch
 
 
 def truncate_jsonl(path: Path, last_step: int, key: str = "step") -> int:
-    """Drop lines written after `last_step` (and a half-written last line); returns how many."""
+    """Drop lines written after `last_step` (and a half-written last line); returns how many.
+
+    The file is replaced atomically, so a kill during the repair leaves the old file whole."""
     if not path.exists():
         return 0
     kept, dropped = [], 0
@@ -86,8 +89,25 @@ def truncate_jsonl(path: Path, last_step: int, key: str = "step") -> int:
             dropped += 1
             continue
         kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    _replace(path, "".join(line + "\n" for line in kept))
     return dropped
+
+
+def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace `path` atomically by `records`, one JSON object per line (as `MetricsWriter`
+    writes them), so the file holds exactly what a checkpoint knows of it."""
+    _replace(path, "".join(json_line(r) for r in records))
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One record as a line of a JSONL log."""
+    return json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n"
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def doctor_report(path: Path, config: RunConfig | None = None) -> str:

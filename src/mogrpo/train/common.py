@@ -3,7 +3,6 @@ and progress bar."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from tqdm.auto import tqdm
 from mogrpo.config import RunConfig
 from mogrpo.data.schema import Example
 from mogrpo.modeling.chat import render_prompt
+from mogrpo.resume import json_line
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.train.tasks import Task
 
@@ -81,7 +81,7 @@ class MetricsWriter:
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n")
+        self._file.write(json_line(record))
         self._file.flush()
 
     def close(self) -> None:

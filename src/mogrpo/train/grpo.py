@@ -393,13 +393,15 @@ class GRPOTrainer:
             self.mixer.set_weights(self.curriculum.weights())
 
     def state_dict(self) -> dict[str, Any]:
-        """The trainer's own counters and controllers (JSON-safe)."""
+        """The trainer's own counters, controllers and their logs (JSON-safe); `RunState`
+        collects it with the rest of what a resume needs."""
         return {
             "step": self.step,
             "skipped_updates": self.skipped_updates,
             "mixer": self.mixer.state_dict(),
             "kl_controllers": [c.state_dict() for c in self.kl_controllers],
             "kl_window": [list(w) for w in self._kl_window],
+            "beta_changes": list(self.beta_changes),
             "judges": {key: judge.state_dict() for key, judge in judges(self.ctx.tasks).items()},
             "health": self.health.state_dict(),
             "curriculum": self.curriculum.state_dict(),
@@ -412,6 +414,7 @@ class GRPOTrainer:
         for controller, saved in zip(self.kl_controllers, state["kl_controllers"], strict=True):
             controller.load_state_dict(saved)
         self._kl_window = [list(w) for w in state["kl_window"]]
+        self.beta_changes = list(state.get("beta_changes", []))
         if "health" in state:
             self.health.load_state_dict(state["health"])
         if "curriculum" in state:
