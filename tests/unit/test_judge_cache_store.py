@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 
-from mogrpo.rewards.judge_cache import JudgeCache, cache_key
+from mogrpo.rewards.judge.cache import JudgeCache, cache_key
 
 
 def key(i: int, **changes) -> str:

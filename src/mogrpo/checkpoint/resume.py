@@ -1,4 +1,4 @@
-"""Config drift between a checkpoint and the config a run is resumed with, and log repair.
+"""Config drift between a checkpoint and the config a run is resumed with.
 
 Settings that do not change the math done so far (total steps, logging and eval intervals,
 output locations) may change on resume; they are listed. Anything else — model, LoRA, tasks
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from mogrpo.checkpoint import CheckpointError
+from mogrpo.checkpoint.store import CheckpointError
 from mogrpo.config import RunConfig, flatten, to_yaml
 
 ALLOWED_PREFIXES = (
@@ -70,106 +69,3 @@ def check_drift(changes: list[Change], allow: bool, checkpoint: Path) -> list[Ch
             "(the change is then recorded in config_changes.jsonl)"
         )
     return changes
-
-
-def truncate_jsonl(path: Path, last_step: int, key: str = "step") -> int:
-    """Drop lines written after `last_step` (and a half-written last line); returns how many.
-
-    The file is replaced atomically, so a kill during the repair leaves the old file whole."""
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            dropped += 1
-            continue
-        if isinstance(record.get(key), int) and record[key] > last_step:
-            dropped += 1
-            continue
-        kept.append(line)
-    _replace(path, "".join(line + "\n" for line in kept))
-    return dropped
-
-
-def rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    """Replace `path` atomically by `records`, one JSON object per line (as `MetricsWriter`
-    writes them), so the file holds exactly what a checkpoint knows of it."""
-    _replace(path, "".join(json_line(r) for r in records))
-
-
-def json_line(record: dict[str, Any]) -> str:
-    """One record as a line of a JSONL log."""
-    return json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n"
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def doctor_report(path: Path, config: RunConfig | None = None) -> str:
-    """`mogrpo doctor CHECKPOINT`: integrity per file, step, config, versions then and now,
-    controller states, and whether resuming with `config` would be allowed."""
-    from mogrpo.checkpoint import CONFIG, MANIFEST, STATE, VERSIONS, verify, versions
-
-    status = verify(path)
-    lines = [f"checkpoint {path}", f"  status   {status.status}  (step {status.step})"]
-    names = sorted(_read_json(path / MANIFEST).get("files", {}))
-    for name in names:
-        problem = next((p for p in status.problems if p.startswith(name + " ")), None)
-        lines.append(f"  {name:<22} {problem or 'ok'}")
-    lines += [f"  {p}" for p in status.problems if not any(p.startswith(n + " ") for n in names)]
-    saved = _read_yaml(path / CONFIG)
-    state = _read_json(path / STATE)
-    if saved:
-        tasks = saved.get("tasks", {})
-        lora = saved.get("lora", {})
-        ro = saved.get("rollout", {})
-        lines += [
-            "config",
-            f"  model    {saved.get('model', {}).get('name_or_path')}  "
-            f"lora {'r ' + str(lora.get('r')) if lora.get('enabled') else 'off'}",
-            "  tasks    " + ", ".join(f"{n} (beta {t.get('beta')})" for n, t in tasks.items()),
-            f"  K {ro.get('num_generations')}  max_seq_length {ro.get('max_seq_length')}  "
-            f"max_steps {saved.get('train', {}).get('max_steps')}",
-            f"  hash     {state.get('config_hash')}",
-        ]
-    if state:
-        trainer = state.get("trainer", {})
-        mixer = trainer.get("mixer", {})
-        lines += ["state",
-                  f"  step {trainer.get('step')}  skipped updates {trainer.get('skipped_updates')}"
-                  f"  sft done {state.get('sft_done')}",
-                  f"  task sampler: epoch {mixer.get('epoch')} position {mixer.get('position')}"]
-        for name, ctrl in zip(saved.get("tasks", {}), trainer.get("kl_controllers", []), strict=False):
-            lines.append(f"  KL controller {name}: {ctrl}")
-    then = _read_json(path / VERSIONS)
-    if then:
-        now = versions()
-        lines.append("versions (then -> now)")
-        for name in sorted(set(then) | set(now)):
-            mark = "" if then.get(name) == now.get(name) else "   <- changed"
-            lines.append(f"  {name:<13} {then.get(name)} -> {now.get(name)}{mark}")
-    if config is not None and saved:
-        changes = config_diff((path / CONFIG).read_text(encoding="utf-8"), config)
-        verdict = "refused" if any(not c.allowed for c in changes) else "allowed"
-        lines.append(f"resume with the given config: {verdict}")
-        lines += [f"  {'allowed' if c.allowed else 'REFUSED'}  {c}" for c in changes] or ["  no changes"]
-    return "\n".join(lines)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError):
-        return {}

@@ -1,7 +1,7 @@
 """The run configuration's typed sections: one pydantic model per config section, each field
 documented by the docstring right under it (`mogrpo config fields` prints them all).
 
-Loading, layering and validation live in `mogrpo.config`, which re-exports these classes.
+Loading, layering and validation live in `mogrpo.config.load`; `mogrpo.config` exports both.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from mogrpo.config_base import Section
-from mogrpo.curriculum import CurriculumConfig
-from mogrpo.health import HealthConfig
+from mogrpo.config.base import Section
+from mogrpo.health.config import HealthConfig
+from mogrpo.tasks.curriculum import CurriculumConfig
 
 
 class ModelConfig(Section):

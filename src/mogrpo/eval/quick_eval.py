@@ -7,11 +7,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mogrpo.pareto import ParetoTracker, Point
+from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import score as score_rewards
 from mogrpo.rollout.generate import generate_rollout
-from mogrpo.train.common import MetricsWriter, TrainContext, render_prompts
-from mogrpo.train.metrics import format_quick_eval
+from mogrpo.tasks.context import TrainContext, render_prompts
+from mogrpo.tracking.jsonl import MetricsWriter
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,40 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0) -> dict[
             samples=shown[:samples],
         )
     return results
+
+
+def _initials(tasks: list[str]) -> list[str]:
+    """Short column labels: first letters, lengthened until they are unique."""
+    for n in range(1, max(len(t) for t in tasks) + 1):
+        short = [t[:n].upper() for t in tasks]
+        if len(set(short)) == len(short):
+            return short
+    return tasks
+
+
+def format_quick_eval(step: int | str, evals: dict[str, dict[str, float]],
+                      kl: dict[str, float], beta: dict[str, float]) -> str:
+    """The compact per-eval table::
+
+        [QuickEval@20] greedy   fairness 0.452  hallucination 0.497
+          truncated  F 0.0%  H 0.0%  | length  F 64.5  H 51.4
+          KL         F 0.035 H 0.095 | beta    F 0.1000 H 0.3000
+    """
+    tasks = list(evals)
+    short = dict(zip(tasks, _initials(tasks), strict=True))
+
+    def row(values: dict[str, float], fmt: str) -> str:
+        return " ".join(f"{short[t]} {format(values[t], fmt)}" if t in values and not
+                        math.isnan(values[t]) else f"{short[t]} -" for t in tasks)
+
+    scores = "  ".join(f"{t} {evals[t]['score']:.3f}" for t in tasks)
+    truncated = row({t: evals[t]["truncated_frac"] for t in tasks}, ".1%")
+    length = row({t: evals[t]["mean_length"] for t in tasks}, ".1f")
+    return (
+        f"[QuickEval@{step}] greedy   {scores}\n"
+        f"  truncated  {truncated} | length  {length}\n"
+        f"  KL         {row(kl, '.3f')} | beta    {row(beta, '.4f')}"
+    )
 
 
 def eval_metrics(results: dict[str, TaskEval]) -> dict[str, float]:

@@ -7,7 +7,6 @@ every run writes it at the end as `report.md`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -193,27 +192,3 @@ def build_report(run_dir: str | Path, window: int = 10) -> str:
         ("## Speed and memory", _speed(run)),
     ]
     return "\n\n".join(f"{title}\n\n" + "\n".join(body) for title, body in sections) + "\n"
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `report RUN_DIR [--out FILE] [--window N]`."""
-    parser = subparsers.add_parser(
-        "report", help="a Markdown report of a run: evals, rewards, KL, alerts, speed",
-        description="Summarise a run directory (finished, running or crashed) as Markdown: "
-        "setup, greedy evals and the Pareto front, reward/KL/β per task at the start and the "
-        "end, health alerts, β and curriculum changes, speed and memory.")
-    parser.add_argument("run_dir", type=Path, help="the run directory (output.dir)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
-    parser.add_argument("--window", type=int, default=10,
-                        help="steps averaged at the start and the end (default 10)")
-    return parser
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    if args.window < 1:
-        raise ReportError(f"--window {args.window} must be >= 1")
-    text = build_report(args.run_dir, args.window)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
-    print(text, end="")
-    return 0

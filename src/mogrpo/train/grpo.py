@@ -20,7 +20,6 @@ from mogrpo.algo.kl_control import make_controller
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.config import RunConfig
-from mogrpo.curriculum import Curriculum
 from mogrpo.data.schema import Example
 from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
@@ -28,17 +27,14 @@ from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import score as score_rewards
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
-from mogrpo.train.common import (
-    MetricsWriter,
-    Progress,
-    TrainContext,
-    build_optimizer,
-    build_scheduler,
-    render_prompts,
-)
+from mogrpo.tasks.context import TrainContext, render_prompts
+from mogrpo.tasks.curriculum import Curriculum
+from mogrpo.tasks.task import TaskMixer, judges
+from mogrpo.tracking.jsonl import MetricsWriter
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
-from mogrpo.train.tasks import TaskMixer, judges
+from mogrpo.train.optim import build_optimizer, build_scheduler
+from mogrpo.train.progress import Progress
 
 log = logging.getLogger(__name__)
 UPDATE_NORM_MAX_PARAMS = 50_000_000

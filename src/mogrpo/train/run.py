@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mogrpo.checkpoint import CHECKPOINTS
+from mogrpo.checkpoint.store import CHECKPOINTS
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
-from mogrpo.evaluation import QuickEval
+from mogrpo.eval.quick_eval import QuickEval
+from mogrpo.eval.report import build_report
 from mogrpo.health import HealthStop
 from mogrpo.memory import estimate
 from mogrpo.modeling.load import (
@@ -26,15 +27,15 @@ from mogrpo.modeling.load import (
     trainable_parameters,
 )
 from mogrpo.modeling.reference import make_reference
-from mogrpo.report import build_report
 from mogrpo.rollout.generate import SamplingSettings
-from mogrpo.tracking import Trackers
-from mogrpo.train.common import MetricsWriter, Tee, TrainContext
+from mogrpo.tasks.context import TrainContext
+from mogrpo.tasks.task import Task, load_tasks
+from mogrpo.tracking.jsonl import MetricsWriter, Tee
+from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
 from mogrpo.train.state import RunState, open_checkpoint
-from mogrpo.train.tasks import Task, load_tasks
 
 log = logging.getLogger(__name__)
 

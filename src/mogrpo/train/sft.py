@@ -9,15 +9,11 @@ import torch
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
+from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.templates import placeholders
-from mogrpo.train.common import (
-    MetricsWriter,
-    Progress,
-    TrainContext,
-    build_optimizer,
-    build_scheduler,
-    render_prompts,
-)
+from mogrpo.tracking.jsonl import MetricsWriter
+from mogrpo.train.optim import build_optimizer, build_scheduler
+from mogrpo.train.progress import Progress
 
 log = logging.getLogger(__name__)
 

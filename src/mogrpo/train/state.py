@@ -1,7 +1,7 @@
 """The run's state: everything a resume needs, collected from the parts that own it and saved
 and restored in one place.
 
-A checkpoint (`mogrpo.checkpoint`) is this state on disk:
+A checkpoint (`mogrpo.checkpoint.store`) is this state on disk:
 
 | part | owner | in the checkpoint |
 |---|---|---|
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mogrpo.checkpoint import (
+from mogrpo.checkpoint.resume import check_drift, config_diff, config_hash
+from mogrpo.checkpoint.store import (
     CHECKPOINTS,
     CheckpointError,
     Loaded,
@@ -42,10 +43,10 @@ from mogrpo.checkpoint import (
     verify,
 )
 from mogrpo.config import RunConfig, to_yaml
-from mogrpo.evaluation import QuickEval
-from mogrpo.resume import check_drift, config_diff, config_hash, rewrite_jsonl, truncate_jsonl
-from mogrpo.tracking import Trackers
-from mogrpo.train.common import MetricsWriter, TrainContext
+from mogrpo.eval.quick_eval import QuickEval
+from mogrpo.tasks.context import TrainContext
+from mogrpo.tracking.jsonl import MetricsWriter, rewrite_jsonl, truncate_jsonl
+from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.distributed import Dist, weights_checksum
 from mogrpo.train.grpo import GRPOTrainer
 

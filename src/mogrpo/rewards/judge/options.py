@@ -36,9 +36,9 @@ from urllib.parse import urlparse
 
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.rewards.base import resolve_reward, reward_label
-from mogrpo.rewards.judge_cache import CACHE_FILE, JudgeCache
-from mogrpo.rewards.judge_client import Budget, Provider
-from mogrpo.rewards.judge_parse import ScoreParser
+from mogrpo.rewards.judge.cache import CACHE_FILE, JudgeCache
+from mogrpo.rewards.judge.client import Budget, Provider
+from mogrpo.rewards.judge.parse import ScoreParser
 
 logger = logging.getLogger(__name__)
 
