@@ -1,29 +1,6 @@
-"""The GRPO math as pure functions on tensors: log-probs, advantages, KL, loss."""
+"""The GRPO math as pure functions on tensors: log-probs (`logprobs`), advantages
+(`advantages`), KL estimators (`kl`) and controllers (`kl_control`), the loss (`loss`),
+dynamic sampling (`dynamic_sampling`), reward-weight schedules (`schedules`), and the names
+of every option (`choices`).
 
-from mogrpo.algo.advantages import (
-    COMBINE_MODES,
-    SCALE_MODES,
-    group_advantages,
-    reward_stats,
-    zero_variance_fraction,
-)
-from mogrpo.algo.kl import KL_ESTIMATORS, kl_estimate
-from mogrpo.algo.logprobs import completion_logprobs, token_entropy, token_logprobs
-from mogrpo.algo.loss import LOSS_AGGREGATIONS, LossOutput, grpo_loss, loss_normalizer
-
-__all__ = [
-    "COMBINE_MODES",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
-    "SCALE_MODES",
-    "LossOutput",
-    "completion_logprobs",
-    "group_advantages",
-    "grpo_loss",
-    "kl_estimate",
-    "loss_normalizer",
-    "reward_stats",
-    "token_entropy",
-    "token_logprobs",
-    "zero_variance_fraction",
-]
+Nothing is imported here, so the config can read `choices` without importing torch."""

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mogrpo.algo.kl import KL_ESTIMATORS, kl_estimate
+from mogrpo.algo.choices import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from mogrpo.algo.kl import kl_estimate
 from mogrpo.errors import ConfigError
-
-LOSS_AGGREGATIONS = ("seq_mean", "token_mean", "fixed_length")
 
 
 def _check_aggregation(aggregation: str) -> None:

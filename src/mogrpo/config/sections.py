@@ -10,6 +10,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from mogrpo.algo.choices import (
+    AdvantageCombine,
+    AdvantageScaling,
+    KLControllerKind,
+    KLEstimator,
+    LossAggregation,
+)
 from mogrpo.config.base import Section
 from mogrpo.health.config import HealthConfig
 from mogrpo.tasks.curriculum import CurriculumConfig
@@ -47,6 +54,11 @@ class LoraConfig(Section):
     """Module names to adapt, e.g. [q_proj, k_proj, v_proj, o_proj], or `all-linear`."""
 
 
+def reward_label(spec: str) -> str:
+    """"mc_correct" → "mc_correct"; "pkg.mod:fn" and "dir/file.py:fn" → "fn"."""
+    return spec.strip().rpartition(":")[2]
+
+
 class RewardConfig(Section):
     fn: str
     """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
@@ -61,11 +73,12 @@ class RewardConfig(Section):
 
     @property
     def label(self) -> str:
-        return self.name or self.fn.rsplit(":", 1)[-1]
+        """The objective's name in metrics: `name`, else the function's (`reward_label`)."""
+        return self.name or reward_label(self.fn)
 
 
 class KLControlConfig(Section):
-    kind: Literal["fixed", "band", "proportional"] = "fixed"
+    kind: KLControllerKind = "fixed"
     """How this task's β moves: `fixed`; `band` (KL below `low` → β × (1 − rate), above
     `high` → β × (1 + rate)); `proportional` (Ziegler et al. 2019, toward `target`)."""
     low: float | None = None
@@ -173,9 +186,9 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    advantage_combine: AdvantageCombine = "sum_then_normalize"
     """Combine objectives before group normalisation, or normalise each first (MO-GRPO)."""
-    advantage_scaling: Literal["group", "batch", "none"] = "group"
+    advantage_scaling: AdvantageScaling = "group"
     """Divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
     epsilon_low: float = Field(0.2, ge=0, lt=1)
     """Lower clip range of the importance ratio (1 - ε_low)."""
@@ -183,11 +196,11 @@ class AlgorithmConfig(Section):
     """Upper clip range (1 + ε_high); DAPO's clip-higher uses 0.28."""
     num_iterations: int = Field(1, ge=1)
     """μ: optimisation passes over each rollout batch."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """KL estimator from Schulman (2020); k3 is unbiased and always ≥ 0."""
     kl_importance_weight: bool = False
     """Weight the KL estimate by the importance ratio when μ > 1 (off-policy correction)."""
-    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length"] = "seq_mean"
+    loss_aggregation: LossAggregation = "seq_mean"
     """Per-sequence mean (GRPO), per-token over the batch (DAPO), or fixed length (Dr. GRPO)."""
     dynamic_sampling: bool = False
     """Drop groups whose combined rewards are all equal — they carry no signal (DAPO)."""

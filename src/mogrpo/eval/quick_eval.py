@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import score as score_rewards
+from mogrpo.rewards.columns import reward_columns
 from mogrpo.rollout.generate import generate_rollout
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tracking.jsonl import MetricsWriter
@@ -55,9 +56,7 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0) -> dict[
                 ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
                 max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
             )
-            columns = {k: [ex.columns.get(k) for ex in chunk] for k in chunk[0].columns}
-            columns["completion_lengths"] = rollout.lengths.tolist()
-            columns["truncated"] = rollout.truncated.tolist()
+            columns = reward_columns(chunk, rollout.lengths.tolist(), rollout.truncated.tolist())
             values = score_rewards([fn], [ex.prompt for ex in chunk], rollout.texts, columns)
             scores.extend(v for v in values[:, 0].tolist() if not math.isnan(v))
             lengths.extend(rollout.lengths.tolist())

@@ -18,7 +18,6 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,26 +37,6 @@ BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
 }
 _P = inspect.Parameter
 _FORMS = "a built-in name, package.module:function, or path/to/file.py:function"
-
-
-@dataclass
-class RewardSpec:
-    """One objective of a task: a reward function, its weight and extra keyword arguments."""
-
-    fn: str
-    weight: float = 1.0
-    name: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        """The objective's name in metrics: `name`, else the builtin or function name."""
-        return self.name or reward_label(self.fn)
-
-
-def reward_label(spec: str) -> str:
-    """"mc_correct" → "mc_correct"; "pkg.mod:fn" and "dir/file.py:fn" → "fn"."""
-    return spec.strip().rpartition(":")[2]
 
 
 def resolve_reward(spec: str) -> Callable[..., Any]:

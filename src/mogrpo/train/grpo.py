@@ -25,6 +25,7 @@ from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
 from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import score as score_rewards
+from mogrpo.rewards.columns import reward_columns
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.tasks.context import TrainContext, render_prompts
@@ -123,9 +124,8 @@ class GRPOTrainer:
                 continue
             rows = [g * K + k for g in groups for k in range(K)]
             examples = [picks[g][1] for g in groups for _ in range(K)]
-            columns = _columns(examples)
-            columns["completion_lengths"] = [lengths[r] for r in rows]
-            columns["truncated"] = [truncated[r] for r in rows]
+            columns = reward_columns(examples, [lengths[r] for r in rows],
+                                     [truncated[r] for r in rows])
             values = score_rewards(task.reward_fns, [ex.prompt for ex in examples],
                                    [rollout.texts[r] for r in rows], columns)  # [n*K, J]
             for i, g in enumerate(groups):
@@ -434,13 +434,6 @@ def _identical_groups(ro: Rollout) -> float:
 def _select(batch: RewardBatch, groups: list[int]) -> RewardBatch:
     return RewardBatch([batch.picks[g] for g in groups], select_groups(batch.rollout, groups),
                        [batch.rewards[g] for g in groups])
-
-
-def _columns(examples: list[Example]) -> dict[str, list]:
-    keys: list[str] = []
-    for ex in examples:
-        keys.extend(k for k in ex.columns if k not in keys)
-    return {k: [ex.columns.get(k) for ex in examples] for k in keys}
 
 
 def _slice(ro: Rollout, rows: slice) -> tuple[torch.Tensor, ...]:
