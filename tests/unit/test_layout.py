@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,9 +66,12 @@ def test_no_room_imports_one_above_it():
 
 
 @pytest.mark.parametrize("module", ["mogrpo.health", "mogrpo.tasks.curriculum", "mogrpo.config",
+                                    "mogrpo.tracking.names", "mogrpo.rewards",
                                     "mogrpo.checkpoint", "mogrpo.cli"])
 def test_each_package_imports_first_in_a_fresh_interpreter(module):
     # the config's sections and the health / curriculum sections import each other's rooms
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

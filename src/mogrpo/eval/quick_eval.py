@@ -12,6 +12,7 @@ from mogrpo.rewards.base import score as score_rewards
 from mogrpo.rewards.columns import reward_columns
 from mogrpo.rollout.generate import generate_rollout
 from mogrpo.tasks.context import TrainContext, render_prompts
+from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class TaskEval:
     """The first few (prompt, greedy completion) pairs, for printing."""
 
     def as_metrics(self, task: str) -> dict[str, float]:
-        return {f"eval/{task}/{k}": v for k, v in asdict(self).items()
+        return {names.eval_metric(task, k): v for k, v in asdict(self).items()
                 if k not in ("reward", "samples")}
 
 
@@ -134,8 +135,8 @@ class QuickEval:
         if not results:
             return {}
         step_metrics = step_metrics or {}
-        kl = {n: step_metrics.get(f"task/{n}/kl", float("nan")) for n in results}
-        beta = {t.name: step_metrics.get(f"task/{t.name}/beta", t.config.beta)
+        kl = {n: step_metrics.get(names.TASK_KL.of(n), float("nan")) for n in results}
+        beta = {t.name: step_metrics.get(names.TASK_BETA.of(t.name), t.config.beta)
                 for t in self.ctx.tasks if t.name in results}
         table = format_quick_eval(tag, {n: asdict(r) for n, r in results.items()}, kl, beta)
         log.info(table)

@@ -1,7 +1,5 @@
-"""Where metrics go: the run's JSONL logs (`jsonl`) and the experiment trackers
-(`trackers`: TensorBoard, W&B, MLflow)."""
+"""Where metrics go and what they are called: the metric names (`names`), the run's JSONL
+logs (`jsonl`) and the experiment trackers (`trackers`: TensorBoard, W&B, MLflow).
 
-from mogrpo.tracking.jsonl import MetricsWriter, Tee, rewrite_jsonl, truncate_jsonl
-from mogrpo.tracking.trackers import Trackers
-
-__all__ = ["MetricsWriter", "Tee", "Trackers", "rewrite_jsonl", "truncate_jsonl"]
+Nothing is imported here: the health checks import `names`, and the config's sections import
+the health checks' section, which `trackers` reads."""

@@ -31,6 +31,7 @@ from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
+from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
@@ -155,7 +156,7 @@ class GRPOTrainer:
             concat_rollouts([b.rollout for b in kept], self.ctx.tokenizer.pad_token_id),
             [r for b in kept for r in b.rewards],
         )
-        return merged, budget.metrics()
+        return merged, budget.metrics(names.DYNAMIC_SAMPLING)
 
     def _informative(self, batch: RewardBatch) -> torch.Tensor:
         flags = torch.zeros(len(batch.picks), dtype=torch.bool)
@@ -261,20 +262,20 @@ class GRPOTrainer:
             totals["grad_norm"] += float(grad_norm) / algo.num_iterations
         tokens = max(totals["tokens"], 1)
         metrics = {
-            "loss": totals["loss"],
-            "policy/grad_norm": totals["grad_norm"],
-            "policy/update_norm": totals["update_norm"],
-            "policy/clip_frac": totals["clip_tokens"] / tokens,
-            "policy/entropy": totals["entropy"] / tokens,
-            "policy/skipped_updates": self.skipped_updates,
-            "kl": float(seq_kl.mean()),
+            names.LOSS: totals["loss"],
+            names.GRAD_NORM: totals["grad_norm"],
+            names.UPDATE_NORM: totals["update_norm"],
+            names.CLIP_FRAC: totals["clip_tokens"] / tokens,
+            names.ENTROPY: totals["entropy"] / tokens,
+            names.SKIPPED_UPDATES: self.skipped_updates,
+            names.KL: float(seq_kl.mean()),
         }
         task_ids = batch.task_ids.cpu()
         for t, task in enumerate(self.ctx.tasks):
             mask = task_ids == t
             if mask.any():
-                metrics[f"task/{task.name}/kl"] = float(seq_kl[mask].mean())
-            metrics[f"task/{task.name}/beta"] = self.kl_controllers[t].beta
+                metrics[names.TASK_KL.of(task.name)] = float(seq_kl[mask].mean())
+            metrics[names.TASK_BETA.of(task.name)] = self.kl_controllers[t].beta
         return metrics
 
     def judge_stats(self) -> dict[str, float]:
@@ -283,14 +284,14 @@ class GRPOTrainer:
         for key, judge in judges(self.ctx.tasks).items():
             stats = judge.take_stats()
             log.info("%s (%s)", judge.format_stats(self.step + 1, stats), key)
-            metrics.update(judge.metrics(f"task/{key.split('/')[0]}/judge/{key.split('/')[1]}",
-                                         stats))
+            task, label = key.split("/", 1)
+            metrics.update(judge.metrics(names.judge_prefix(task, label), stats))
         return metrics
 
     def adapt_kl(self, metrics: dict[str, float]) -> None:
         """Feed each task's measured KL to its controller; log every change of β."""
         for t, task in enumerate(self.ctx.tasks):
-            key = f"task/{task.name}/kl"
+            key = names.TASK_KL.of(task.name)
             if key in metrics:
                 self._kl_window[t].append(metrics[key])
             every = task.config.kl.every_steps
@@ -328,22 +329,23 @@ class GRPOTrainer:
         ro = batch.rollout
         metrics.update(reward_stats)
         metrics.update({
-            "step": self.step,
-            "lr": self.scheduler.get_last_lr()[0],
-            "rollout/completion_length": float(ro.lengths.float().mean()),
-            "rollout/truncated_frac": float(ro.truncated.float().mean()),
-            "rollout/prompt_truncated": ro.prompt_truncated,
-            "rollout/nonfinite_logits": ro.nonfinite_logits,
-            "rollout/identical_group_frac": _identical_groups(ro),
-            "rollout/groups": len(rewards.picks),
-            "time/rollout_s": t1 - t0,
-            "time/reward_s": t2 - t1,
-            "time/update_s": t3 - t2,
-            "time/step_s": t3 - t0,
-            "throughput/completion_tokens_per_s": int(rollout.lengths.sum()) / max(t1 - t0, 1e-9),
+            names.STEP: self.step,
+            names.LR: self.scheduler.get_last_lr()[0],
+            names.COMPLETION_LENGTH: float(ro.lengths.float().mean()),
+            names.TRUNCATED_FRAC: float(ro.truncated.float().mean()),
+            names.PROMPT_TRUNCATED: ro.prompt_truncated,
+            names.NONFINITE_LOGITS: ro.nonfinite_logits,
+            names.IDENTICAL_GROUP_FRAC: _identical_groups(ro),
+            names.GROUPS: len(rewards.picks),
+            names.TIME_ROLLOUT: t1 - t0,
+            names.TIME_REWARD: t2 - t1,
+            names.TIME_UPDATE: t3 - t2,
+            names.TIME_STEP: t3 - t0,
+            names.TOKENS_PER_S: int(rollout.lengths.sum()) / max(t1 - t0, 1e-9),
             # CUDA: peak reserved memory; CPU: the process's peak RSS (compare with `mogrpo memory`)
-            "memory/peak_gib": peak_bytes(self.ctx.device) / 2**30,
+            names.PEAK_GIB: peak_bytes(self.ctx.device) / 2**30,
         })
+        metrics.update(self._task_lengths(batch))
         metrics = self.dist.reduce_metrics(metrics)  # the same numbers in every process
         self.adapt_kl(metrics)
         return metrics
@@ -363,7 +365,7 @@ class GRPOTrainer:
                 writer.write(metrics)
                 self.last_metrics = metrics
                 bar.update(metrics, self.ctx.tasks)
-                self.health_ctx.lr = metrics["lr"]
+                self.health_ctx.lr = metrics[names.LR]
                 for alert in self.health.observe(self.step, metrics, self.health_ctx):
                     log.warning(alert.message)
                     writer.write(alert.as_event())
@@ -382,7 +384,7 @@ class GRPOTrainer:
         """Record the curriculum stage of this step; move on when its `until` holds."""
         if not self.curriculum.active:
             return
-        metrics["curriculum/stage"] = self.curriculum.index
+        metrics[names.CURRICULUM_STAGE] = self.curriculum.index
         line = self.curriculum.observe(self.step, metrics)
         if line is not None:
             log.info(line)
@@ -418,6 +420,13 @@ class GRPOTrainer:
         for key, judge in judges(self.ctx.tasks).items():
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])
+
+    def _task_lengths(self, batch: ScoredBatch) -> dict[str, float]:
+        """Each task's mean completion length: one task can collapse to short answers while
+        the mean over all tasks still looks healthy."""
+        lengths, task_ids = batch.rollout.lengths.float().cpu(), batch.task_ids.cpu()
+        return {names.TASK_COMPLETION_LENGTH.of(task.name): float(lengths[task_ids == t].mean())
+                for t, task in enumerate(self.ctx.tasks) if bool((task_ids == t).any())}
 
     def _micro_batches(self, batch_size: int) -> list[slice]:
         size = self.config.train.micro_batch_size

@@ -7,6 +7,7 @@ import math
 import torch
 
 from mogrpo.algo.advantages import reward_stats
+from mogrpo.tracking import names
 
 
 def reward_metrics(name: str, labels: list[str], weights: list[float],
@@ -20,30 +21,30 @@ def reward_metrics(name: str, labels: list[str], weights: list[float],
     out: dict[str, float] = {}
     combined = 0.0
     for j, label in enumerate(labels):
-        prefix = f"task/{name}/reward/{label}"
-        out[f"{prefix}/mean"] = stats["mean"][j]
-        out[f"{prefix}/std"] = stats["std"][j]
-        out[f"{prefix}/missing_frac"] = stats["missing_frac"][j]
-        out[f"{prefix}/zero_var_frac"] = stats["zero_var_frac"][j]
-        out[f"{prefix}/weight"] = weights[j]
+        out[names.OBJECTIVE_MEAN.of(name, label)] = stats["mean"][j]
+        out[names.OBJECTIVE_STD.of(name, label)] = stats["std"][j]
+        out[names.OBJECTIVE_MISSING_FRAC.of(name, label)] = stats["missing_frac"][j]
+        out[names.OBJECTIVE_ZERO_VAR_FRAC.of(name, label)] = stats["zero_var_frac"][j]
+        out[names.OBJECTIVE_WEIGHT.of(name, label)] = weights[j]
         if not math.isnan(stats["mean"][j]):
             combined += weights[j] * stats["mean"][j]
-    out[f"task/{name}/reward/mean"] = combined
+    out[names.TASK_REWARD.of(name)] = combined
     # A group whose advantages are all zero carries no learning signal.
-    out[f"task/{name}/zero_var_frac"] = float((adv.abs().amax(dim=1) < 1e-8).float().mean())
+    out[names.TASK_ZERO_VAR_FRAC.of(name)] = float((adv.abs().amax(dim=1) < 1e-8).float().mean())
     return out
 
 
 def format_step(metrics: dict[str, float], tasks: list[str], total: int) -> str:
     """One console line per step: the figures a user watches."""
-    parts = [f"step {metrics['step']}/{total}", f"loss {metrics['loss']:+.4f}"]
+    parts = [f"step {metrics[names.STEP]}/{total}", f"loss {metrics[names.LOSS]:+.4f}"]
     for name in tasks:
-        if f"task/{name}/reward/mean" in metrics:
+        if names.TASK_REWARD.of(name) in metrics:
             parts.append(
-                f"{name}: reward {metrics[f'task/{name}/reward/mean']:.3f} "
-                f"kl {metrics[f'task/{name}/kl']:.4f} beta {metrics[f'task/{name}/beta']:.4f}"
+                f"{name}: reward {metrics[names.TASK_REWARD.of(name)]:.3f} "
+                f"kl {metrics[names.TASK_KL.of(name)]:.4f} "
+                f"beta {metrics[names.TASK_BETA.of(name)]:.4f}"
             )
-    parts.append(f"len {metrics['rollout/completion_length']:.1f}")
-    parts.append(f"trunc {metrics['rollout/truncated_frac']:.0%}")
-    parts.append(f"{metrics['time/step_s']:.2f}s")
+    parts.append(f"len {metrics[names.COMPLETION_LENGTH]:.1f}")
+    parts.append(f"trunc {metrics[names.TRUNCATED_FRAC]:.0%}")
+    parts.append(f"{metrics[names.TIME_STEP]:.2f}s")
     return " | ".join(parts)

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mogrpo.tasks.task import Task
+from mogrpo.tracking import names
 
 
 class Progress:
@@ -29,10 +30,10 @@ class Progress:
             return
         postfix = {}
         for task in tasks or []:
-            key = f"task/{task.name}/reward/mean"
+            key = names.TASK_REWARD.of(task.name)
             if key in metrics:
                 postfix[task.name] = f"{metrics[key]:.3f}"
-        if "loss" in metrics:
-            postfix["loss"] = f"{metrics['loss']:.4f}"
+        if names.LOSS in metrics:
+            postfix["loss"] = f"{metrics[names.LOSS]:.4f}"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
