@@ -28,20 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mogrpo.checkpoint import store
 from mogrpo.checkpoint.resume import check_drift, config_diff, config_hash
-from mogrpo.checkpoint.store import (
-    CHECKPOINTS,
-    CheckpointError,
-    Loaded,
-    find_resume,
-    list_checkpoints,
-    load_checkpoint,
-    load_weights,
-    prune,
-    restore_rng,
-    save_checkpoint,
-    verify,
-)
+from mogrpo.checkpoint.store import CheckpointError, Loaded
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.eval.quick_eval import QuickEval
 from mogrpo.tasks.context import TrainContext
@@ -99,30 +88,31 @@ class RunState:
             raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
                                   f"{sums}); not saving a checkpoint that would hide it")
         main = self.dist.is_main
-        path = save_checkpoint(self.run_dir, step, model=self.ctx.policy if main else None,
-                               optimizer=self.trainer.optimizer if main else None,
-                               state=state, config_yaml=to_yaml(self.config))
+        path = store.save_checkpoint(self.run_dir, step,
+                                     model=self.ctx.policy if main else None,
+                                     optimizer=self.trainer.optimizer if main else None,
+                                     state=state, config_yaml=to_yaml(self.config))
         pareto = self.quick_eval.pareto.to_json()
         protected = {p["step"] for p in pareto["front"]}
         protected |= {p["step"] for p in pareto["best"].values()}
-        prune(self.run_dir, self.config.output.keep_last, protected)
+        store.prune(self.run_dir, self.config.output.keep_last, protected)
         log.info("checkpoint saved: %s", path)
         return path
 
     def restore(self, loaded: Loaded) -> None:
         """Put a verified checkpoint back into every part; the RNGs last, as nothing may draw
         from them afterwards."""
-        load_weights(self.ctx.policy, loaded.weights)
+        store.load_weights(self.ctx.policy, loaded.weights)
         self.trainer.optimizer.load_state_dict(loaded.optimizer)
         self.load_state_dict(loaded.state)
-        restore_rng(loaded.rng, loaded.state["rng"])
+        store.restore_rng(loaded.rng, loaded.state["rng"])
 
 
 def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
                     dist: Dist, main_dir: Path) -> Loaded:
     """Pick and verify the checkpoint, check config drift, and make the logs agree with it."""
     if dist.world_size == 1:
-        loaded = load_checkpoint(find_resume(run_dir, resume))
+        loaded = store.load_checkpoint(store.find_resume(run_dir, resume))
     else:
         loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
     path = loaded.path
@@ -160,16 +150,16 @@ def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Pa
     """The newest step every process saved intact (or the step of the path given); processes
     r > 0 read the weights and optimizer from process 0's checkpoint of that step."""
     if resume == "auto":
-        intact = {s.step for s in list_checkpoints(run_dir) if s.ok}
+        intact = {s.step for s in store.list_checkpoints(run_dir) if s.ok}
         common = set.intersection(*[set(steps) for steps in dist.gather(sorted(intact))])
         if not common:
             raise CheckpointError(
                 f"--resume auto: no step has an intact checkpoint in every one of the "
-                f"{dist.world_size} processes ({main_dir / CHECKPOINTS} and .rank-N); start a "
-                "new run or give a checkpoint path")
+                f"{dist.world_size} processes ({main_dir / store.CHECKPOINTS} and .rank-N); "
+                "start a new run or give a checkpoint path")
         step = max(common)
     else:  # a path to one of process 0's checkpoints: that step in every process
-        step = verify(find_resume(main_dir, resume)).step
+        step = store.verify(store.find_resume(main_dir, resume)).step
     name = f"step-{step:07d}"
-    shared = None if dist.is_main else main_dir / CHECKPOINTS / name
-    return load_checkpoint(run_dir / CHECKPOINTS / name, shared_from=shared)
+    shared = None if dist.is_main else main_dir / store.CHECKPOINTS / name
+    return store.load_checkpoint(run_dir / store.CHECKPOINTS / name, shared_from=shared)
