@@ -82,7 +82,8 @@ def whole_run(tmp_path_factory, tiny_model) -> Path:
     """An uninterrupted 4-step run (eval every step) that the resumed runs must equal."""
     tmp = tmp_path_factory.mktemp("whole")
     config = write_config(tmp / "whole.yaml", tiny_model, tmp / "run", 4, **EVERY_STEP_EVAL)
-    assert main(["train", str(config)]) == 0
+    # in its own process: `main` reconfigures logging, which a module fixture would leak
+    assert train_in_subprocess(config) == 0
     return tmp / "run"
 
 
