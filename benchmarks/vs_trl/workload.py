@@ -134,7 +134,7 @@ def mogrpo_order(rows: list[dict[str, Any]], steps: int, settings: Settings) -> 
     TRL is given exactly this list with shuffling off, so both see the same prompts in the
     same order.
     """
-    from mogrpo.train.tasks import TaskMixer
+    from mogrpo.tasks.task import TaskMixer
 
     task = SimpleNamespace(name=TASK, train=rows, stream=None, config=SimpleNamespace(weight=1.0))
     mixer = TaskMixer([task], settings.seed)  # type: ignore[list-item]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dp_worker import gradients
 
-from mogrpo.algo.loss import LOSS_AGGREGATIONS
+from mogrpo.algo.choices import LOSS_AGGREGATIONS
 from mogrpo.train.distributed import Dist
 
 WORKER = Path(__file__).with_name("dp_worker.py")

@@ -8,7 +8,7 @@ import pytest
 
 from judge_server import FaultServer, judge_options, reply, status
 from mogrpo.rewards.judge import JudgeReward
-from mogrpo.rewards.judge_cache import CACHE_FILE
+from mogrpo.rewards.judge.cache import CACHE_FILE
 
 PROMPTS = ["Who was late?", "Who was late?", "Who left?", "Who left?"]
 ANSWERS = ["Cannot be determined", "Anna", "Ben", "Not stated"]

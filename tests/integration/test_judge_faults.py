@@ -20,7 +20,7 @@ from judge_server import (
     status,
 )
 from mogrpo.rewards.judge import JudgeReward
-from mogrpo.rewards.judge_stats import ERROR_KINDS
+from mogrpo.rewards.judge.stats import ERROR_KINDS
 
 WHERE = "tasks.fairness.rewards.0.kwargs"
 

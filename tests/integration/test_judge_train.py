@@ -24,7 +24,7 @@ from mogrpo.cli import main
 from mogrpo.demo import demo_base, tokenizer_corpus
 from mogrpo.modeling.tiny import build_tiny_model
 from mogrpo.rewards.base import resolve_reward
-from mogrpo.serve import start_server
+from mogrpo.serve.server import start_server
 
 KEY = "sk-judge-train-leak-check-93c1d0"
 

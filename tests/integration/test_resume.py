@@ -65,23 +65,75 @@ def train_in_subprocess(config: Path, **env) -> int:
     return done.returncode
 
 
-def test_sigkill_mid_step_then_resume_is_bit_identical(tmp_path, tiny_model):
-    n = 2
-    whole = write_config(tmp_path / "whole.yaml", tiny_model, tmp_path / "whole", 2 * n)
-    assert main(["train", str(whole)]) == 0
+EVERY_STEP_EVAL = {"eval": {"every_steps": 1}}
 
-    cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 2 * n)
-    # One kill_on_call per step: call n+1 happens in step n+1, after its rollout.
-    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL=str(n + 1)) == -9
-    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == list(range(1, n + 1))
+
+def eval_lines(run_dir: Path) -> list[str]:
+    return (run_dir / "eval.jsonl").read_text().splitlines()
+
+
+def beta_report_line(run_dir: Path) -> str:
+    return next(line for line in (run_dir / "report.md").read_text().splitlines()
+                if "β change(s)" in line)
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, tiny_model) -> Path:
+    """An uninterrupted 4-step run (eval every step) that the resumed runs must equal."""
+    tmp = tmp_path_factory.mktemp("whole")
+    config = write_config(tmp / "whole.yaml", tiny_model, tmp / "run", 4, **EVERY_STEP_EVAL)
+    # in its own process: `main` reconfigures logging, which a module fixture would leak
+    assert train_in_subprocess(config) == 0
+    return tmp / "run"
+
+
+def test_sigkill_mid_step_then_resume_is_bit_identical(tmp_path, tiny_model, whole_run):
+    cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 4, **EVERY_STEP_EVAL)
+    # One kill_on_call per step: call 4 happens in step 4, after its rollout. The last
+    # checkpoint is step 2's; step 3 and its eval were logged after it.
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
+    assert [json.loads(x)["tag"] for x in eval_lines(tmp_path / "cut")] == ["start", "1", "2", "3"]
     assert main(["train", str(cut), "--resume", "auto"]) == 0
 
-    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
-    a = load_file(tmp_path / "whole" / "final" / "adapter" / "adapter_model.safetensors")
+    assert metric_lines(tmp_path / "cut") == metric_lines(whole_run)
+    a = load_file(whole_run / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(tmp_path / "cut" / "final" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)  # it did train
+
+    # the logs the report reads: the evals and every β change, those before the kill too
+    assert eval_lines(tmp_path / "cut") == eval_lines(whole_run)
+    whole = json.loads((whole_run / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    # fairness KL stays above its band, so β rises, from before the checkpoint at step 2 on
+    steps = [int(line.split("]")[0].removeprefix("[KL@")) for line in whole["beta_changes"]]
+    assert min(steps) <= 2 and max(steps) == 4
+    assert resumed["beta_changes"] == whole["beta_changes"]
+    assert resumed["evals"] == whole["evals"]
+    assert beta_report_line(tmp_path / "cut") == beta_report_line(whole_run)
+
+
+def test_sigkill_during_the_final_save_writes_the_end_eval_once(tmp_path, tiny_model, whole_run):
+    cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 4, **EVERY_STEP_EVAL)
+    # the process kills itself when it starts saving the final model, after the `end` eval
+    kill_in_final_save = (
+        "import os, signal, sys; import mogrpo.train.run as run; "
+        "run.save_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+        "from mogrpo.cli import main; sys.exit(main(['train', sys.argv[1]]))")
+    done = subprocess.run([sys.executable, "-c", kill_in_final_save, str(cut)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
+    assert [json.loads(x)["tag"] for x in eval_lines(tmp_path / "cut")][-1] == "end"
+    assert not (tmp_path / "cut" / "summary.json").exists()
+
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+    assert eval_lines(tmp_path / "cut") == eval_lines(whole_run)  # one `end`, not two
+    assert metric_lines(tmp_path / "cut") == metric_lines(whole_run)
+    whole = json.loads((whole_run / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert resumed["beta_changes"] == whole["beta_changes"]
 
 
 def test_corrupt_and_truncated_checkpoints_fall_back(tmp_path, tiny_model, capsys):

@@ -11,10 +11,10 @@ import urllib.request
 import pytest
 
 from judge_server import build_seven_model, judge_options
+from mogrpo.cli.serve import add_parser
 from mogrpo.errors import ModelError
 from mogrpo.rewards.judge import JudgeReward
-from mogrpo.serve import resolve_model_dir, start_server
-from mogrpo.serve_cli import add_parser
+from mogrpo.serve.server import resolve_model_dir, start_server
 
 openai = pytest.importorskip("openai")
 

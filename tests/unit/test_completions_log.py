@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from mogrpo.data.schema import Example
-from mogrpo.tracking import MlflowTracker, TensorBoardTracker, markdown
+from mogrpo.tracking.trackers import MlflowTracker, TensorBoardTracker, markdown
 from mogrpo.train.completions import CompletionLog, completion_rows, table
 
 CHAT = [{"role": "user", "content": "2+2?"}]

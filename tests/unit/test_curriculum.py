@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from mogrpo.curriculum import Curriculum, CurriculumConfig
 from mogrpo.errors import ConfigError
+from mogrpo.tasks.curriculum import Curriculum, CurriculumConfig
 
 BASE = {"fairness": 1.0, "hallucination": 2.0}
 

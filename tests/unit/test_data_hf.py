@@ -10,7 +10,7 @@ import pytest
 
 from mogrpo.config import load_config
 from mogrpo.errors import ConfigError, DataError
-from mogrpo.train.tasks import TaskMixer, load_tasks
+from mogrpo.tasks.task import TaskMixer, load_tasks
 
 datasets = pytest.importorskip("datasets")
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mogrpo import doctor_env
-from mogrpo.doctor_env import collect, main, report
+from mogrpo.cli import doctor, main
+from mogrpo.cli.doctor import collect, report
 
 GIB = 2**30
 
@@ -19,7 +19,7 @@ GIB = 2**30
 @pytest.fixture
 def no_gpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in doctor_env.WATCHED_ENV:
+    for name in doctor.WATCHED_ENV:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -56,7 +56,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
-    for name in doctor_env.WATCHED_ENV:
+    for name in doctor.WATCHED_ENV:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -83,7 +83,7 @@ def test_pre_ampere_gpu_has_no_bf16_nor_flash_attention(two_gpus, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(
         name="Tesla T4", major=7, minor=5, total_memory=16 * GIB))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    monkeypatch.setattr(doctor_env, "_importable", lambda module: (True, "importable"))
+    monkeypatch.setattr(doctor, "_importable", lambda module: (True, "importable"))
     features = collect()["features"]
     assert features["bf16"][0] is False and "float16" in features["bf16"][1]
     assert features["flash_attention_2"] == [False, "needs a GPU of compute capability 8.0+"]
@@ -98,6 +98,6 @@ def test_leftover_wandb_variables_are_warned_about(no_gpu, monkeypatch):
 
 
 def test_main_prints_json(no_gpu, capsys):
-    assert main(["--json"]) == 0
+    assert main(["doctor", "env", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["cuda"]["available"] is False and data["packages"]["torch"] == torch.__version__

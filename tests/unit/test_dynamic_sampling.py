@@ -10,6 +10,7 @@ import torch
 from mogrpo.algo.advantages import group_advantages
 from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
 from mogrpo.errors import ConfigError
+from mogrpo.tracking import names
 
 NAN = math.nan
 
@@ -88,7 +89,7 @@ def test_budget_refills_until_full():
     # extra round 2: 3 informative, only 2 needed; the third is surplus
     assert budget.observe(torch.tensor([True, True, False, True])).tolist() == [
         True, True, False, False]
-    assert budget.metrics() == {
+    assert budget.metrics(names.DYNAMIC_SAMPLING) == {
         "rollout/dynamic_sampling/dropped": 5.0,
         "rollout/dynamic_sampling/refilled": 2.0,
         "rollout/dynamic_sampling/rounds": 2.0,

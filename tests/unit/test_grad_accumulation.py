@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from grpo_batch import B, T, make_batch
+from mogrpo.algo.choices import LOSS_AGGREGATIONS
 from mogrpo.algo.logprobs import token_logprobs
-from mogrpo.algo.loss import LOSS_AGGREGATIONS, grpo_loss, loss_normalizer
+from mogrpo.algo.loss import grpo_loss, loss_normalizer
 
 SPLITS = {
     "ones": [[0], [1], [2], [3], [4]],

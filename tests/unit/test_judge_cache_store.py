@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mogrpo.rewards.judge_cache import JudgeCache, cache_key
+from mogrpo.rewards.judge.cache import JudgeCache, cache_key
 
 
 def key(i: int, **changes) -> str:

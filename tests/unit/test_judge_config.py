@@ -7,7 +7,7 @@ import pytest
 from mogrpo.config import load_config
 from mogrpo.errors import MogrpoError
 from mogrpo.rewards.judge import JudgeReward
-from mogrpo.train.tasks import judges, load_tasks
+from mogrpo.tasks.task import judges, load_tasks
 
 JUDGE = {
     "providers": [{"name": "local", "base_url": "http://127.0.0.1:9/v1", "model": "judge"}],

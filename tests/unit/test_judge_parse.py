@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mogrpo.rewards.judge_parse import ScoreParser
+from mogrpo.rewards.judge.parse import ScoreParser
 
 
 def parser(**options) -> ScoreParser:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from mogrpo.algo.kl import K3_LOG_RATIO_MAX, KL_ESTIMATORS, kl_estimate
+from mogrpo.algo.choices import KL_ESTIMATORS
+from mogrpo.algo.kl import K3_LOG_RATIO_MAX, kl_estimate
 from mogrpo.errors import ConfigError
 
 LN2 = math.log(2.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from mogrpo.pareto import ParetoTracker, Point, best_per_task, pareto_front
+from mogrpo.eval.pareto import ParetoTracker, Point, best_per_task, pareto_front
 
 NAN = math.nan
 

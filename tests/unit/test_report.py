@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from mogrpo.cli import main
-from mogrpo.report import build_report
+from mogrpo.eval.report import build_report
 
 CONFIG = {
     "model": {"name_or_path": "org/model-1b"}, "lora": {"enabled": True, "r": 16},

@@ -18,7 +18,7 @@ from mogrpo.memory.estimate import estimate
 from mogrpo.modeling.tiny import train_tokenizer
 from mogrpo.rewards.base import score_examples
 from mogrpo.rewards.reward_model import RewardModelReward, model_params
-from mogrpo.train.tasks import load_tasks
+from mogrpo.tasks.task import load_tasks
 
 CHAT = [{"role": "user", "content": "Is the sky blue?"}]
 TEXTS = ["Yes, the sky is blue.", "No.", "The sky is blue on a clear day, because of "

@@ -9,10 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from mogrpo.config import RewardConfig
+from mogrpo.data.schema import Example
 from mogrpo.errors import RewardError
-from mogrpo.rewards.base import BUILTIN_REWARDS, RewardSpec, resolve_reward, score
+from mogrpo.rewards import reward_label
+from mogrpo.rewards.base import BUILTIN_REWARDS, resolve_reward, score
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
+from mogrpo.rewards.columns import reward_columns
 
 PROMPTS = ["p"] * 4
 COMPLETIONS = ["Answer: A", "Answer: B", "答案：C", "no idea"]
@@ -205,20 +209,30 @@ def test_positional_only_parameter_is_refused_when_resolved(tmp_path):
         resolve_reward(f"{path}:f")
 
 
-# --- RewardSpec ----------------------------------------------------------------------------
+# --- labels ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec,label", [
-    (RewardSpec("mc_correct"), "mc_correct"),
-    (RewardSpec("my_pkg.rewards:neutrality", weight=0.5), "neutrality"),
-    (RewardSpec("rewards/zh.py:reasoning"), "reasoning"),
-    (RewardSpec("format", name="answer_format"), "answer_format"),
+@pytest.mark.parametrize("reward,label", [
+    (RewardConfig(fn="mc_correct"), "mc_correct"),
+    (RewardConfig(fn="my_pkg.rewards:neutrality", weight=0.5), "neutrality"),
+    (RewardConfig(fn="rewards/zh.py:reasoning"), "reasoning"),
+    (RewardConfig(fn=" format "), "format"),
+    (RewardConfig(fn="format", name="answer_format"), "answer_format"),
 ])
-def test_reward_spec_label(spec, label):
-    assert spec.label == label
+def test_reward_label_is_the_name_else_the_function(reward, label):
+    assert reward.label == label
+    assert reward_label(reward.fn) == label or reward.name == label
 
 
-def test_reward_spec_defaults_are_not_shared():
-    a, b = RewardSpec("format"), RewardSpec("format")
-    a.kwargs["pattern"] = "x"
-    assert b.kwargs == {} and b.weight == 1.0 and b.name is None
+# --- columns -------------------------------------------------------------------------------
+
+
+def test_reward_columns_hold_every_rows_columns_and_the_completion_facts():
+    first = Example("q1", {"correct_answer": "A"}, "f:1")
+    second = Example("q2", {"correct_answer": "B", "topic": "age"}, "f:2")
+    columns = reward_columns([first, first, second, second], [3, 5, 7, 9],
+                             [False, True, False, False])
+    assert columns == {"correct_answer": ["A", "A", "B", "B"],
+                       "topic": [None, None, "age", "age"],  # a column the first row lacks
+                       "completion_lengths": [3, 5, 7, 9],
+                       "truncated": [False, True, False, False]}

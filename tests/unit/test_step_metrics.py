@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mogrpo.train.metrics import format_quick_eval, reward_metrics
+from mogrpo.eval.quick_eval import format_quick_eval
+from mogrpo.train.metrics import reward_metrics
 
 
 def test_quick_eval_table_has_the_documented_shape():

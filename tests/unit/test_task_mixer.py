@@ -11,7 +11,7 @@ import pytest
 from mogrpo.config import TaskConfig, load_config
 from mogrpo.data.schema import Example
 from mogrpo.rewards.base import BUILTIN_REWARDS
-from mogrpo.train.tasks import Task, TaskMixer, load_tasks
+from mogrpo.tasks.task import Task, TaskMixer, load_tasks
 
 
 def make_task(name: str, size: int, weight: float = 1.0) -> Task:

@@ -27,9 +27,9 @@ def vllm_trainer(tmp_path, tiny_model_dir, monkeypatch, *overrides: str):
     from mogrpo.config import load_config
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
+    from mogrpo.tasks.task import load_tasks
     from mogrpo.train.grpo import GRPOTrainer
     from mogrpo.train.run import build_context, seed_everything
-    from mogrpo.train.tasks import load_tasks
 
     built: list[FakeLLM] = []
 

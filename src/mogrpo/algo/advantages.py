@@ -13,10 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from mogrpo.algo.choices import COMBINE_MODES, SCALE_MODES
 from mogrpo.errors import ConfigError
-
-COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
-SCALE_MODES = ("group", "batch", "none")
 
 
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:

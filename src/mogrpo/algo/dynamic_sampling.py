@@ -120,7 +120,8 @@ class RefillBudget:
         self._observed = True
         return keep
 
-    def metrics(self, prefix: str = "rollout/dynamic_sampling") -> dict[str, float]:
-        """This step's counts, namespaced for the metrics file."""
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """This step's counts as metrics named `<prefix>/<count>` (the trainer's prefix:
+        `rollout/dynamic_sampling`)."""
         names = ("dropped", "refilled", "rounds", "surplus", "missing")
         return {f"{prefix}/{k}": float(getattr(self, k)) for k in names}

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mogrpo.algo.choices import KL_ESTIMATORS
 from mogrpo.errors import ConfigError
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 # Upper clamp on log r inside exp() for k3. log r > 20 needs logp < -20 (ref_logp <= 0),
 # i.e. pi sampled a token it gives probability < 2e-9. The clamp changes the estimate only on

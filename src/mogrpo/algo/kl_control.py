@@ -15,9 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mogrpo.algo.choices import KL_CONTROLLERS
 from mogrpo.errors import ConfigError
-
-KL_CONTROLLERS = ("fixed", "band", "proportional")
 
 
 @dataclass

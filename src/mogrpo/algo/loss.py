@@ -14,15 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mogrpo.algo.kl import KL_ESTIMATORS, kl_estimate
+from mogrpo.algo.choices import ALL_AGGREGATIONS, KL_ESTIMATORS, KL_IMPORTANCE_WEIGHTS
+from mogrpo.algo.kl import kl_estimate
 from mogrpo.algo.surrogates import LossVariant, policy_term
 from mogrpo.errors import ConfigError
-
-# Aggregations whose gradient does not depend on how the batch is split.
-LOSS_AGGREGATIONS = ("seq_mean", "token_mean", "fixed_length", "seq_sum")
-# ... and every aggregation, BNPO's split-dependent one included.
-ALL_AGGREGATIONS = (*LOSS_AGGREGATIONS, "micro_token_mean")
-KL_IMPORTANCE_WEIGHTS = ("off", "detached", "differentiable")
 
 
 def _check_aggregation(aggregation: str) -> None:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
+from mogrpo.algo.choices import SCHEDULE_KINDS, ScheduleKind
 from mogrpo.errors import ConfigError
-
-SCHEDULE_KINDS = ("constant", "linear")
 
 
 def _finite(where: str, name: str, value: Any) -> None:
@@ -31,7 +30,7 @@ def _step(where: str, name: str, value: Any) -> None:
 class WeightSchedule:
     """A reward weight over training steps."""
 
-    kind: Literal["constant", "linear"] = "constant"
+    kind: ScheduleKind = "constant"
     """`constant`: always `value`; `linear`: `start` until `start_step`, a straight ramp to
     `end` at `end_step`, `end` afterwards."""
     value: float = 1.0

@@ -23,11 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mogrpo.algo.choices import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from mogrpo.errors import ConfigError
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # Each loss type's own aggregation (as TRL aggregates it); see mogrpo.algo.loss.
 DEFAULT_AGGREGATION = {
     "grpo": "seq_mean", "sapo": "seq_mean",

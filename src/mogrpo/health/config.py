@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from mogrpo.config_base import Section
+from mogrpo.config.base import Section
 
 Action = Literal["warn", "stop"]
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from mogrpo.errors import MogrpoError
 from mogrpo.health.config import HealthConfig
+from mogrpo.tracking import names
 
 
 @dataclass
@@ -64,16 +65,6 @@ class HealthStop(MogrpoError):
 
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
-
-
-def _series(metrics: Mapping[str, Any], suffix: str) -> list[str]:
-    """Per-task keys `task/NAME/<suffix>`, sorted."""
-    return sorted(k for k in metrics if k.startswith("task/") and k.endswith("/" + suffix)
-                  and k.count("/") == suffix.count("/") + 2)
-
-
-def _task(key: str) -> str:
-    return key.split("/")[1] if key.startswith("task/") else "all tasks"
 
 
 class HealthMonitor:
@@ -144,12 +135,12 @@ class HealthMonitor:
     def _not_learning(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                       fired: list[Alert]) -> None:
         cfg = self.config.not_learning
-        lr = ctx.lr if ctx.lr is not None else m.get("lr")
-        zero_var = [m[k] for k in _series(m, "zero_var_frac")]
+        lr = ctx.lr if ctx.lr is not None else m.get(names.LR)
+        zero_var = [m[k] for k in names.TASK_ZERO_VAR_FRAC.keys(m)]
         signal = not zero_var or min(zero_var) < 1.0  # some group has non-zero advantages
-        kl, update = m.get("kl"), m.get("policy/update_norm")
+        kl, update = m.get(names.KL), m.get(names.UPDATE_NORM)
         name = "update norm" if update is not None else "grad norm"
-        size = update if update is not None else m.get("policy/grad_norm")
+        size = update if update is not None else m.get(names.GRAD_NORM)
         # an update norm says whether parameters moved; a grad norm only when it is 0
         moved = None if not _finite(size) or (update is None and size > cfg.update_epsilon) \
             else size > cfg.update_epsilon
@@ -170,12 +161,12 @@ class HealthMonitor:
     def _kl_explosion(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                       fired: list[Alert]) -> None:
         cfg = self.config.kl_explosion
-        for key in ["kl", *_series(m, "kl")]:
+        for key in [names.KL, *names.TASK_KL.keys(m)]:
             value = m.get(key)
             if not _finite(value):
                 continue
-            budget = (max(ctx.kl_budgets.values(), default=0.0) if key == "kl"
-                      else ctx.kl_budgets.get(_task(key), 0.0))
+            budget = (max(ctx.kl_budgets.values(), default=0.0) if key == names.KL
+                      else ctx.kl_budgets.get(names.task_of(key), 0.0))
             ceiling = max(cfg.ceiling, cfg.budget_factor * budget)
             before = self._push(key, value, max(cfg.window, cfg.smooth))
             level = statistics.median([*before, value][-cfg.smooth:])
@@ -191,7 +182,7 @@ class HealthMonitor:
             n = min(cfg.smooth, len(before) + 1)
             mean = f" (median of the last {n} steps)" if n > 1 else ""
             self._fire("kl_explosion", step, (
-                f"{'' if key == 'kl' else f'task {_task(key)} '}KL {level:.3f}{mean} is {how} "
+                f"{'' if key == names.KL else f'task {names.task_of(key)} '}KL {level:.3f}{mean} is {how} "
                 f"for {cfg.patience} steps. Likely: β too small for the learning rate, an unstable "
                 "KL estimator (k1/k2 or a clamped log-ratio), log-probs at another temperature "
                 "than sampling, or a reference that is not the starting model. Try: raise this "
@@ -201,7 +192,7 @@ class HealthMonitor:
     def _length_collapse(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                          fired: list[Alert]) -> None:
         cfg = self.config.length_collapse
-        for key in ["rollout/completion_length", *_series(m, "completion_length")]:
+        for key in [names.COMPLETION_LENGTH, *names.TASK_COMPLETION_LENGTH.keys(m)]:
             value = m.get(key)
             if not _finite(value):
                 continue
@@ -212,7 +203,7 @@ class HealthMonitor:
                 continue
             recent = f", median {median:.1f} over the {len(before)} steps before" if median else ""
             self._fire("length_collapse", step, (
-                f"{_task(key)}: mean completion length {value:.1f} tokens (floor {cfg.floor:g}"
+                f"{names.task_of(key)}: mean completion length {value:.1f} tokens (floor {cfg.floor:g}"
                 f"{recent}) for {cfg.patience} steps. Likely: a reward that pays for short "
                 "answers (length penalty, a format reward met by one token), an end-of-turn "
                 "token sampled first (chat template or stop_token_ids mismatch), or a collapsed "
@@ -221,7 +212,7 @@ class HealthMonitor:
 
     def _truncation(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                     fired: list[Alert]) -> None:
-        cfg, value = self.config.truncation, m.get("rollout/truncated_frac")
+        cfg, value = self.config.truncation, m.get(names.TRUNCATED_FRAC)
         if self._held("truncation", "rollout", _finite(value) and value > cfg.threshold):
             budget = f" = {ctx.max_completion_length}" if ctx.max_completion_length else ""
             self._fire("truncation", step, (
@@ -234,11 +225,11 @@ class HealthMonitor:
     def _no_signal(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                    fired: list[Alert]) -> None:
         cfg = self.config.no_signal
-        for key in _series(m, "zero_var_frac"):
-            value, task = m[key], _task(key)
+        for key in names.TASK_ZERO_VAR_FRAC.keys(m):
+            value, task = m[key], names.task_of(key)
             if not self._held("no_signal", key, _finite(value) and value > cfg.threshold):
                 continue
-            reward = m.get(f"task/{task}/reward/mean")
+            reward = m.get(names.TASK_REWARD.of(task))
             mean = f" (reward mean {reward:.3f})" if _finite(reward) else ""
             self._fire("no_signal", step, (
                 f"task {task}: {value:.0%} of groups score all K completions the same{mean} for "
@@ -249,11 +240,11 @@ class HealthMonitor:
 
     def _non_finite(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                     fired: list[Alert]) -> None:
-        bad = [k for k in ("loss", "policy/grad_norm", "kl") if k in m and not _finite(m[k])]
-        bad += [k for k in m if k.endswith("nonfinite_logits") and _finite(m[k]) and m[k] > 0]
-        skipped = m.get("policy/skipped_updates")  # cumulative in the trainer
+        bad = [k for k in (names.LOSS, names.GRAD_NORM, names.KL) if k in m and not _finite(m[k])]
+        bad += [k for k in (names.NONFINITE_LOGITS,) if _finite(m.get(k)) and m[k] > 0]
+        skipped = m.get(names.SKIPPED_UPDATES)  # cumulative in the trainer
         if _finite(skipped) and skipped > self._skipped:
-            bad.append("policy/skipped_updates")
+            bad.append(names.SKIPPED_UPDATES)
             self._skipped = float(skipped)
         if not bad:
             return
@@ -267,10 +258,10 @@ class HealthMonitor:
 
     def _grad_spike(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                     fired: list[Alert]) -> None:
-        cfg, value = self.config.grad_spike, m.get("policy/grad_norm")
+        cfg, value = self.config.grad_spike, m.get(names.GRAD_NORM)
         if not _finite(value):
             return
-        before = self._push("policy/grad_norm", value, cfg.window + 1)
+        before = self._push(names.GRAD_NORM, value, cfg.window + 1)
         median = statistics.median(before) if len(before) >= cfg.min_history else 0.0
         spike = len(before) >= cfg.min_history and value > cfg.factor * max(median, 1e-12)
         if self._held("grad_spike", "policy", spike):
@@ -285,7 +276,7 @@ class HealthMonitor:
     def _sampling_ignored(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                           fired: list[Alert]) -> None:
         cfg, t = self.config.sampling_ignored, ctx.temperature
-        entropy, same = m.get("policy/entropy"), m.get("rollout/identical_group_frac")
+        entropy, same = m.get(names.ENTROPY), m.get(names.IDENTICAL_GROUP_FRAC)
         low = _finite(entropy) and entropy < cfg.entropy_floor
         alike = _finite(same) and same > cfg.identical_threshold
         hot = t is not None and t >= cfg.min_temperature
@@ -303,7 +294,7 @@ class HealthMonitor:
     def _reward_stalled(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                         fired: list[Alert]) -> None:
         cfg = self.config.reward_stalled
-        for key in _series(m, "reward/mean"):
+        for key in names.TASK_REWARD.keys(m):
             value = m[key]
             if not _finite(value):
                 continue
@@ -318,7 +309,7 @@ class HealthMonitor:
             if self._held("reward_stalled", key, not improved):
                 best_value, best_step = self._best[key]
                 self._fire("reward_stalled", step, (
-                    f"task {_task(key)}: reward mean (smoothed over {cfg.smooth} steps) "
+                    f"task {names.task_of(key)}: reward mean (smoothed over {cfg.smooth} steps) "
                     f"{smoothed:.3f} has not beaten its best {best_value:.3f} (step "
                     f"{best_step:.0f}) by {cfg.min_delta:g} for {cfg.patience} steps. Likely: the "
                     "task has converged or its reward is saturated, β holds the policy at the "

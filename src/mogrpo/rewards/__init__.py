@@ -1,6 +1,7 @@
 """Rewards: the reward contract, built-in rule rewards, answer extraction, sandboxed code tests."""
 
-from mogrpo.rewards.base import BUILTIN_REWARDS, RewardSpec, resolve_reward, reward_label, score
+from mogrpo.config.sections import reward_label
+from mogrpo.rewards.base import BUILTIN_REWARDS, resolve_reward, score
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
 from mogrpo.rewards.extract import Extraction, extract_choice
@@ -8,7 +9,6 @@ from mogrpo.rewards.extract import Extraction, extract_choice
 __all__ = [
     "BUILTIN_REWARDS",
     "Extraction",
-    "RewardSpec",
     "code_tests",
     "extract_choice",
     "format_reward",

@@ -26,7 +26,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,6 +38,7 @@ from mogrpo.data.schema import Example
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
+from mogrpo.rewards.columns import reward_columns
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "mc_correct": mc_correct,
@@ -52,26 +53,6 @@ TRAINER_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state"
                      "log_metric")
 EXTRA_ARGUMENTS = ("completion_lengths", "truncated")
 _FORMS = "a built-in name, package.module:function, or path/to/file.py:function"
-
-
-@dataclass
-class RewardSpec:
-    """One objective of a task: a reward function, its weight and extra keyword arguments."""
-
-    fn: str
-    weight: float = 1.0
-    name: str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        """The objective's name in metrics: `name`, else the builtin or function name."""
-        return self.name or reward_label(self.fn)
-
-
-def reward_label(spec: str) -> str:
-    """"mc_correct" → "mc_correct"; "pkg.mod:fn" and "dir/file.py:fn" → "fn"."""
-    return spec.strip().rpartition(":")[2]
 
 
 def resolve_reward(spec: str) -> Callable[..., Any]:
@@ -476,12 +457,7 @@ def score_examples(
     """`score` for the completions of `examples` (one example per completion, each prompt's
     repeated K times): builds TRL's arguments and the columns. `completion_ids` [B, C] is
     right-padded, row b holding `lengths[b]` tokens. Returns float32 `[B, J]`."""
-    keys: list[str] = []
-    for ex in examples:
-        keys.extend(k for k in ex.columns if k not in keys)
-    columns = {k: [ex.columns.get(k) for ex in examples] for k in keys}
-    columns["completion_lengths"] = list(lengths)
-    columns["truncated"] = list(truncated)
+    columns = reward_columns(examples, lengths, truncated)
     prompts = [ex.prompt for ex in examples]
     ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths, strict=True)]
     return score(fns, prompts, as_completions(prompts, texts), columns, completion_ids=ids,

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from mogrpo.config_base import Section
+from mogrpo.config.base import Section
 from mogrpo.errors import ConfigError, RewardError
 
 log = logging.getLogger(__name__)

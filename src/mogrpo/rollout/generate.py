@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
+from mogrpo.config.sections import RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.native import Decoded, native_decode, unsupported_reason
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
-from mogrpo.sections import RolloutEngine
 
 logger = logging.getLogger(__name__)
 

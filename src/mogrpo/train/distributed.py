@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mogrpo.tracking import names
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -90,9 +92,9 @@ class Dist:
             numbers = [v for v in values if isinstance(v, int | float)]
             if len(numbers) != len(values) or key in _SHARED or key.endswith(_SHARED_SUFFIXES):
                 out[key] = values[0]
-            elif key in _SUMMED or key.startswith("throughput/"):
+            elif key in _SUMMED:
                 out[key] = sum(numbers)
-            elif key.startswith(("time/", "memory/")):
+            elif key in _LARGEST:
                 out[key] = max(numbers)
             else:
                 out[key] = sum(numbers) / len(numbers)
@@ -120,9 +122,14 @@ class Dist:
             dist.barrier()
 
 
-_SUMMED = {"loss", "rollout/groups", "rollout/prompt_truncated", "rollout/nonfinite_logits"}
-_SHARED = {"step", "lr", "policy/grad_norm", "policy/update_norm", "policy/skipped_updates"}
-_SHARED_SUFFIXES = ("/beta", "/weight")
+# How each metric combines over processes: summed, the same everywhere (process 0's), the
+# largest (times, memory); any other is the mean of the processes' values.
+_SUMMED = {names.LOSS, names.GROUPS, names.PROMPT_TRUNCATED, names.NONFINITE_LOGITS,
+           names.TOKENS_PER_S}
+_SHARED = {names.STEP, names.LR, names.GRAD_NORM, names.UPDATE_NORM, names.SKIPPED_UPDATES}
+_SHARED_SUFFIXES = ("/" + names.TASK_BETA.suffix, "/" + names.OBJECTIVE_WEIGHT.stat)
+_LARGEST = {names.TIME_ROLLOUT, names.TIME_REWARD, names.TIME_UPDATE, names.TIME_STEP,
+            names.PEAK_GIB}
 
 
 def weights_checksum(model: torch.nn.Module) -> float:

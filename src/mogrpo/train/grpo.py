@@ -24,7 +24,6 @@ from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.algo.surrogates import LossVariant, mask_truncated, resolve_aggregation
 from mogrpo.config import RunConfig
-from mogrpo.curriculum import Curriculum
 from mogrpo.data.schema import Example
 from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
@@ -32,18 +31,16 @@ from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
-from mogrpo.train.common import (
-    MetricsWriter,
-    Progress,
-    TrainContext,
-    build_optimizer,
-    build_scheduler,
-    render_prompts,
-)
+from mogrpo.tasks.context import TrainContext, render_prompts
+from mogrpo.tasks.curriculum import Curriculum
+from mogrpo.tasks.task import TaskMixer, judges
+from mogrpo.tracking import names
+from mogrpo.tracking.jsonl import MetricsWriter
 from mogrpo.train.completions import CompletionLog, completion_rows
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
-from mogrpo.train.tasks import TaskMixer, judges
+from mogrpo.train.optim import build_optimizer, build_scheduler
+from mogrpo.train.progress import Progress
 
 log = logging.getLogger(__name__)
 UPDATE_NORM_MAX_PARAMS = 50_000_000
@@ -157,7 +154,8 @@ class GRPOTrainer:
                 rewards[g] = values[i * K:(i + 1) * K]
                 extras[g] = {c: v[i * K:(i + 1) * K] for c, v in logged.items()}
             for key, scalars in log.metrics.items():
-                self._logged_metrics.setdefault(f"task/{task.name}/reward/{key}", []).extend(scalars)
+                self._logged_metrics.setdefault(names.reward_logged(task.name, key),
+                                               []).extend(scalars)
         return RewardBatch(picks, rollout, rewards, extras)
 
     def _trainer_state(self, t: int) -> TrainerState:
@@ -207,7 +205,7 @@ class GRPOTrainer:
             [r for b in kept for r in b.rewards],
             [e for b in kept for e in b.extras],
         )
-        return merged, budget.metrics()
+        return merged, budget.metrics(names.DYNAMIC_SAMPLING)
 
     def _informative(self, batch: RewardBatch) -> torch.Tensor:
         flags = torch.zeros(len(batch.picks), dtype=torch.bool)
@@ -332,17 +330,17 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         tokens = max(totals["tokens"], 1)
         metrics = {
-            "loss": totals["loss"],
-            "policy/grad_norm": totals["grad_norm"],
-            "policy/update_norm": totals["update_norm"],
-            "policy/clip_frac": totals["clip_tokens"] / tokens,
-            "policy/entropy": totals["entropy"] / tokens,
-            "policy/skipped_updates": self.skipped_updates,
-            "kl": float(seq_kl.mean()),
+            names.LOSS: totals["loss"],
+            names.GRAD_NORM: totals["grad_norm"],
+            names.UPDATE_NORM: totals["update_norm"],
+            names.CLIP_FRAC: totals["clip_tokens"] / tokens,
+            names.ENTROPY: totals["entropy"] / tokens,
+            names.SKIPPED_UPDATES: self.skipped_updates,
+            names.KL: float(seq_kl.mean()),
         }
         if self._sampler_correction and ro.sampler_logp is not None:
-            metrics["policy/sampler_is_weight"] = totals["is_weight"] / tokens
-            metrics["policy/sampler_is_capped_frac"] = totals["is_capped"] / tokens
+            metrics[names.SAMPLER_IS_WEIGHT] = totals["is_weight"] / tokens
+            metrics[names.SAMPLER_IS_CAPPED_FRAC] = totals["is_capped"] / tokens
         return metrics | self._task_kl(batch.task_ids.cpu(), seq_kl)
 
     def _task_kl(self, task_ids: torch.Tensor, seq_kl: torch.Tensor) -> dict[str, float]:
@@ -351,8 +349,8 @@ class GRPOTrainer:
         for t, task in enumerate(self.ctx.tasks):
             mask = task_ids == t
             if mask.any():
-                metrics[f"task/{task.name}/kl"] = float(seq_kl[mask].mean())
-            metrics[f"task/{task.name}/beta"] = self.kl_controllers[t].beta
+                metrics[names.TASK_KL.of(task.name)] = float(seq_kl[mask].mean())
+            metrics[names.TASK_BETA.of(task.name)] = self.kl_controllers[t].beta
         return metrics
 
     def _importance_weights(self, old: torch.Tensor, ro: Rollout, rows: slice,
@@ -376,14 +374,14 @@ class GRPOTrainer:
         for key, judge in judges(self.ctx.tasks).items():
             stats = judge.take_stats()
             log.info("%s (%s)", judge.format_stats(self.step + 1, stats), key)
-            metrics.update(judge.metrics(f"task/{key.split('/')[0]}/judge/{key.split('/')[1]}",
-                                         stats))
+            task, label = key.split("/", 1)
+            metrics.update(judge.metrics(names.judge_prefix(task, label), stats))
         return metrics
 
     def adapt_kl(self, metrics: dict[str, float]) -> None:
         """Feed each task's measured KL to its controller; log every change of β."""
         for t, task in enumerate(self.ctx.tasks):
-            key = f"task/{task.name}/kl"
+            key = names.TASK_KL.of(task.name)
             if key in metrics:
                 self._kl_window[t].append(metrics[key])
             every = task.config.kl.every_steps
@@ -421,28 +419,29 @@ class GRPOTrainer:
         if self.ctx.rollout_engine is not None:  # the next rollout samples the new weights
             sync_start = time.perf_counter()
             self.ctx.rollout_engine.push_weights()
-            metrics["time/weight_sync_s"] = time.perf_counter() - sync_start
+            metrics[names.TIME_WEIGHT_SYNC] = time.perf_counter() - sync_start
         t3 = time.perf_counter()
         self.step += 1
         ro = batch.rollout
         metrics.update(reward_stats)
         metrics.update({
-            "step": self.step,
-            "lr": self.scheduler.get_last_lr()[0],
-            "rollout/completion_length": float(ro.lengths.float().mean()),
-            "rollout/truncated_frac": float(ro.truncated.float().mean()),
-            "rollout/prompt_truncated": ro.prompt_truncated,
-            "rollout/nonfinite_logits": ro.nonfinite_logits,
-            "rollout/identical_group_frac": _identical_groups(ro),
-            "rollout/groups": len(rewards.picks),
-            "time/rollout_s": t1 - t0,
-            "time/reward_s": t2 - t1,
-            "time/update_s": t3 - t2,
-            "time/step_s": t3 - t0,
-            "throughput/completion_tokens_per_s": int(rollout.lengths.sum()) / max(t1 - t0, 1e-9),
+            names.STEP: self.step,
+            names.LR: self.scheduler.get_last_lr()[0],
+            names.COMPLETION_LENGTH: float(ro.lengths.float().mean()),
+            names.TRUNCATED_FRAC: float(ro.truncated.float().mean()),
+            names.PROMPT_TRUNCATED: ro.prompt_truncated,
+            names.NONFINITE_LOGITS: ro.nonfinite_logits,
+            names.IDENTICAL_GROUP_FRAC: _identical_groups(ro),
+            names.GROUPS: len(rewards.picks),
+            names.TIME_ROLLOUT: t1 - t0,
+            names.TIME_REWARD: t2 - t1,
+            names.TIME_UPDATE: t3 - t2,
+            names.TIME_STEP: t3 - t0,
+            names.TOKENS_PER_S: int(rollout.lengths.sum()) / max(t1 - t0, 1e-9),
             # CUDA: peak reserved memory; CPU: the process's peak RSS (compare with `mogrpo memory`)
-            "memory/peak_gib": peak_bytes(self.ctx.device) / 2**30,
+            names.PEAK_GIB: peak_bytes(self.ctx.device) / 2**30,
         })
+        metrics.update(self._task_lengths(batch))
         metrics = self.dist.reduce_metrics(metrics)  # the same numbers in every process
         self.adapt_kl(metrics)
         return metrics
@@ -462,7 +461,7 @@ class GRPOTrainer:
                 writer.write(metrics)
                 self.last_metrics = metrics
                 bar.update(metrics, self.ctx.tasks)
-                self.health_ctx.lr = metrics["lr"]
+                self.health_ctx.lr = metrics[names.LR]
                 for alert in self.health.observe(self.step, metrics, self.health_ctx):
                     log.warning(alert.message)
                     writer.write(alert.as_event())
@@ -481,20 +480,22 @@ class GRPOTrainer:
         """Record the curriculum stage of this step; move on when its `until` holds."""
         if not self.curriculum.active:
             return
-        metrics["curriculum/stage"] = self.curriculum.index
+        metrics[names.CURRICULUM_STAGE] = self.curriculum.index
         line = self.curriculum.observe(self.step, metrics)
         if line is not None:
             log.info(line)
             self.mixer.set_weights(self.curriculum.weights())
 
     def state_dict(self) -> dict[str, Any]:
-        """The trainer's own counters and controllers (JSON-safe)."""
+        """The trainer's own counters, controllers and their logs (JSON-safe); `RunState`
+        collects it with the rest of what a resume needs."""
         return {
             "step": self.step,
             "skipped_updates": self.skipped_updates,
             "mixer": self.mixer.state_dict(),
             "kl_controllers": [c.state_dict() for c in self.kl_controllers],
             "kl_window": [list(w) for w in self._kl_window],
+            "beta_changes": list(self.beta_changes),
             "judges": {key: judge.state_dict() for key, judge in judges(self.ctx.tasks).items()},
             "health": self.health.state_dict(),
             "curriculum": self.curriculum.state_dict(),
@@ -507,6 +508,7 @@ class GRPOTrainer:
         for controller, saved in zip(self.kl_controllers, state["kl_controllers"], strict=True):
             controller.load_state_dict(saved)
         self._kl_window = [list(w) for w in state["kl_window"]]
+        self.beta_changes = list(state.get("beta_changes", []))
         if "health" in state:
             self.health.load_state_dict(state["health"])
         if "curriculum" in state:
@@ -514,6 +516,13 @@ class GRPOTrainer:
         for key, judge in judges(self.ctx.tasks).items():
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])
+
+    def _task_lengths(self, batch: ScoredBatch) -> dict[str, float]:
+        """Each task's mean completion length: one task can collapse to short answers while
+        the mean over all tasks still looks healthy."""
+        lengths, task_ids = batch.rollout.lengths.float().cpu(), batch.task_ids.cpu()
+        return {names.TASK_COMPLETION_LENGTH.of(task.name): float(lengths[task_ids == t].mean())
+                for t, task in enumerate(self.ctx.tasks) if bool((task_ids == t).any())}
 
     def _micro_batches(self, ro: Rollout, by_length: bool = True) -> list[slice | torch.Tensor]:
         size = self.config.train.micro_batch_size

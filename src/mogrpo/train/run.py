@@ -12,22 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mogrpo.checkpoint import (
-    CHECKPOINTS,
-    CheckpointError,
-    Loaded,
-    find_resume,
-    list_checkpoints,
-    load_checkpoint,
-    load_weights,
-    prune,
-    restore_rng,
-    save_checkpoint,
-    verify,
-)
+from mogrpo.checkpoint.store import CHECKPOINTS
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
-from mogrpo.evaluation import QuickEval
+from mogrpo.eval.quick_eval import QuickEval
+from mogrpo.eval.report import build_report
 from mogrpo.health import HealthStop
 from mogrpo.memory import estimate, reward_model_configs
 from mogrpo.modeling.load import (
@@ -39,16 +28,16 @@ from mogrpo.modeling.load import (
     trainable_parameters,
 )
 from mogrpo.modeling.reference import make_reference
-from mogrpo.report import build_report
-from mogrpo.resume import check_drift, config_diff, config_hash, truncate_jsonl
 from mogrpo.rollout.generate import SamplingSettings
-from mogrpo.tracking import Trackers
-from mogrpo.train.common import MetricsWriter, Tee, TrainContext
+from mogrpo.tasks.context import TrainContext
+from mogrpo.tasks.task import Task, load_tasks
+from mogrpo.tracking.jsonl import MetricsWriter, Tee
+from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
-from mogrpo.train.distributed import Dist, init_distributed, weights_checksum
+from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
-from mogrpo.train.tasks import Task, load_tasks
+from mogrpo.train.state import RunState, open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +176,8 @@ def run_training(config: RunConfig, resume: str | None = None,
     seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
     run_dir = prepare_run_dir(config, resuming=resume is not None)
-    loaded = _open_checkpoint(run_dir, config, resume, allow_config_change, dist,
-                              main_dir) if resume else None
+    loaded = open_checkpoint(run_dir, config, resume, allow_config_change, dist,
+                             main_dir) if resume else None
     sft_dir = main_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None
     ctx = build_context(config, tasks, base)
@@ -211,8 +200,6 @@ def run_training(config: RunConfig, resume: str | None = None,
         torch.manual_seed(config.seed * 1_000_003 + dist.rank)
     reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
     trainer = GRPOTrainer(ctx, reference)
-    if loaded is not None:
-        summary.update(loaded.state.get("summary", {}))
     trackers = Trackers(
         config, run_dir, state=loaded.state.get("trackers") if loaded else None,
         resume_step=loaded.state["step"] if loaded else None,
@@ -220,33 +207,14 @@ def run_training(config: RunConfig, resume: str | None = None,
     if config.logging.log_completions:
         trainer.completion_log = CompletionLog(run_dir, config.logging.log_completions_every,
                                                trackers)
+    state = RunState(config, ctx, trainer, quick_eval, trackers, summary, sft_done, dist, run_dir)
     if loaded is not None:
-        _restore(loaded, ctx, trainer, quick_eval)  # RNG last: after the trackers started
-
-    def checkpoint(step: int) -> None:
-        trackers.barrier()
-        state = {"trainer": trainer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
-                 "quick_eval": quick_eval.state_dict(), "sft_done": sft_done,
-                 "config_hash": config_hash(config), "summary": summary,
-                 "trackers": trackers.state_dict()}
-        # processes r > 0 hold the same weights and optimizer as process 0: state and RNG only
-        state["weights_checksum"] = weights_checksum(ctx.policy)
-        sums = dist.gather(state["weights_checksum"])
-        if len(set(sums)) > 1:
-            raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
-                                  f"{sums}); not saving a checkpoint that would hide it")
-        path = save_checkpoint(run_dir, step, model=ctx.policy if dist.is_main else None,
-                               optimizer=trainer.optimizer if dist.is_main else None,
-                               state=state, config_yaml=to_yaml(config))
-        protected = {p["step"] for p in quick_eval.pareto.to_json()["front"]}
-        protected |= {p["step"] for p in quick_eval.pareto.to_json()["best"].values()}
-        prune(run_dir, config.output.keep_last, protected)
-        log.info("checkpoint saved: %s", path)
+        state.restore(loaded)  # RNG last: after the trackers started
 
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as writer:
             trainer.run(Tee(writer, trackers),
-                        lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
+                        lambda step, metrics: quick_eval(str(step), step, metrics), state.save)
     except HealthStop:
         summary["health"] = [a.as_event() for a in trainer.health.alerts]
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -254,12 +222,16 @@ def run_training(config: RunConfig, resume: str | None = None,
         raise
     finally:
         trackers.close()
-    return _finish(ctx, trainer, quick_eval, summary, run_dir, save=dist.is_main)
+    return _finish(state, save=dist.is_main)
 
 
-def _finish(ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval,
-            summary: dict[str, Any], run_dir: Path, save: bool) -> dict[str, Any]:
-    """The last eval, the final model (process 0 only: `save`), summary.json and report.md."""
+def _finish(state: RunState, save: bool) -> dict[str, Any]:
+    """The last eval, the final model (process 0 only: `save`), summary.json and report.md.
+
+    A kill in here leaves the last checkpoint (of the last step); resuming from it repeats
+    only this: the eval log is rewritten from the checkpoint first, so `end` is written once."""
+    ctx, trainer, quick_eval = state.ctx, state.trainer, state.quick_eval
+    summary, run_dir = state.summary, state.run_dir
     summary["health"] = [a.as_event() for a in trainer.health.alerts]
     log.info(trainer.health.summary())
     quick_eval("end", trainer.step, trainer.last_metrics)
@@ -289,58 +261,6 @@ def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
     log.info("estimated peak memory %.2f GiB (see `mogrpo memory`); measured per step as "
              "memory/peak_gib", est.total / 2**30)
     return est.total / 2**30
-
-
-def _open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
-                     dist: Dist, main_dir: Path) -> Loaded:
-    """Pick and verify the checkpoint, check config drift, and cut the logs back to it."""
-    if dist.world_size == 1:
-        loaded = load_checkpoint(find_resume(run_dir, resume))
-    else:
-        loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
-    path = loaded.path
-    changes = check_drift(config_diff(loaded.config_yaml, config), allow_config_change, path)
-    step = loaded.state["step"]
-    if changes:
-        for change in changes:
-            log.info("config change on resume (%s): %s",
-                     "allowed" if change.allowed else "FORCED", change)
-        with MetricsWriter(run_dir / "config_changes.jsonl") as writer:
-            writer.write({"step": step, "checkpoint": str(path),
-                          "changes": [vars(c) | {"allowed": c.allowed} for c in changes]})
-    for name in ("metrics.jsonl", "eval.jsonl", COMPLETIONS_FILE):
-        truncate_jsonl(run_dir / name, step)
-    (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
-    log.info("resuming from %s (step %d)", path, step)
-    return loaded
-
-
-def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Path) -> Loaded:
-    """The newest step every process saved intact (or the step of the path given); processes
-    r > 0 read the weights and optimizer from process 0's checkpoint of that step."""
-    if resume == "auto":
-        intact = {s.step for s in list_checkpoints(run_dir) if s.ok}
-        common = set.intersection(*[set(steps) for steps in dist.gather(sorted(intact))])
-        if not common:
-            raise CheckpointError(
-                f"--resume auto: no step has an intact checkpoint in every one of the "
-                f"{dist.world_size} processes ({main_dir / CHECKPOINTS} and .rank-N); start a "
-                "new run or give a checkpoint path")
-        step = max(common)
-    else:  # a path to one of process 0's checkpoints: that step in every process
-        step = verify(find_resume(main_dir, resume)).step
-    name = f"step-{step:07d}"
-    shared = None if dist.is_main else main_dir / CHECKPOINTS / name
-    return load_checkpoint(run_dir / CHECKPOINTS / name, shared_from=shared)
-
-
-def _restore(loaded: Loaded, ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval) -> None:
-    load_weights(ctx.policy, loaded.weights)
-    trainer.optimizer.load_state_dict(loaded.optimizer)
-    trainer.scheduler.load_state_dict(loaded.state["scheduler"])
-    trainer.load_state_dict(loaded.state["trainer"])
-    quick_eval.load_state_dict(loaded.state["quick_eval"])
-    restore_rng(loaded.rng, loaded.state["rng"])  # last: nothing may draw after this
 
 
 def finish_sft(ctx: TrainContext, sft_dir: Path, write: bool = True) -> None:

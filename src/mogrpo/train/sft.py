@@ -10,15 +10,12 @@ import torch.nn.functional as F
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
+from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.templates import placeholders
-from mogrpo.train.common import (
-    MetricsWriter,
-    Progress,
-    TrainContext,
-    build_optimizer,
-    build_scheduler,
-    render_prompts,
-)
+from mogrpo.tracking import names
+from mogrpo.tracking.jsonl import MetricsWriter
+from mogrpo.train.optim import build_optimizer, build_scheduler
+from mogrpo.train.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +121,7 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
             scheduler.step()
             loss_value = loss.item()
             writer.write({"sft_step": step, "sft/loss": loss_value})
-            bar.update({"loss": loss_value})
+            bar.update({names.LOSS: loss_value})
             if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
                 log.info("SFT step %d/%d | loss %.4f", step, cfg.steps, loss_value)
     return {"sft/final_loss": loss_value, "sft/examples": len(data)}

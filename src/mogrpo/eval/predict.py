@@ -8,7 +8,6 @@ in input order, and a details file keeps every completion for spot checks.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
@@ -19,7 +18,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from mogrpo.config import TaskConfig, load_config
@@ -194,42 +192,3 @@ def summarize(predictions: list[Prediction], *, fallback: str = "",
         lines.append(f"accuracy {right / len(known):.3f} ({right} of {len(known)} rows with a "
                      "correct_answer)")
     return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    """The `mogrpo predict` command."""
-    from mogrpo.modeling.load import load_policy, resolve_model_dir
-
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    fallback = (args.fallback or "").strip().upper()
-    if args.fallback is not None and (len(fallback) != 1 or not fallback.isalpha()):
-        raise ConfigError(f"--fallback {args.fallback!r} must be one option letter, e.g. A")
-    if args.config is not None:
-        settings = PromptSettings.from_config(args.config, args.task, args.overrides)
-    elif args.task is not None or args.overrides:
-        raise ConfigError("--task and --set read a run's config: pass it with --config")
-    else:
-        settings = PromptSettings()
-    if args.max_new_tokens is not None:
-        if args.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-        settings.max_new_tokens = args.max_new_tokens
-
-    examples = load_rows(args.data, settings)  # data errors before a model loads
-    ids = row_ids(examples, args.id_column)
-    model, tokenizer = load_policy(resolve_model_dir(args.model), dtype=args.dtype)
-    if settings.max_prompt_length is None:
-        context = getattr(model.config, "max_position_embeddings", None) or 4096
-        settings.max_prompt_length = max(1, context - settings.max_new_tokens)
-    if torch.cuda.is_available():
-        model = model.to("cuda")
-    predictions = predict(model, tokenizer, examples, ids, settings, batch_size=args.batch_size,
-                          fallback=fallback)
-    details = args.details or args.out.with_name(args.out.stem + ".details.jsonl")
-    write_submission(predictions, args.out, id_column=args.id_column or "id",
-                     answer_column=args.answer_column)
-    write_details(predictions, details)
-    print(summarize(predictions, fallback=fallback, max_new_tokens=settings.max_new_tokens))
-    print(f"submission: {args.out}\ndetails:    {details}")
-    return 0

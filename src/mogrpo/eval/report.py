@@ -7,7 +7,6 @@ every run writes it at the end as `report.md`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import yaml
 
 from mogrpo.errors import MogrpoError
+from mogrpo.tracking import names
 
 
 class ReportError(MogrpoError):
@@ -62,7 +62,7 @@ class RunFiles:
         self.summary = self._json("summary.json")
         self.pareto = self._json("pareto.json")
         self.tasks = list((self.config.get("tasks") or {}).keys()) or sorted(
-            {k.split("/")[1] for r in self.steps for k in r if k.startswith("task/")})
+            {names.task_of(k) for r in self.steps for k in r if k.startswith(names.TASK_PREFIX)})
 
     def _json(self, name: str) -> dict[str, Any]:
         path = self.dir / name
@@ -138,15 +138,15 @@ def _signals(run: RunFiles, window: int) -> list[str]:
     lines = [f"Means over the first and the last {w} steps.", "",
              "| task | reward | KL | β | zero-variance groups |", "|---|---|---|---|---|"]
     for t in run.tasks:
-        lines.append(f"| {t} | {both(f'task/{t}/reward/mean')} | {both(f'task/{t}/kl')} | "
-                     f"{both(f'task/{t}/beta', 4)} | {both(f'task/{t}/zero_var_frac', 2)} |")
-    objectives = sorted({k for r in run.steps for k in r
-                         if k.startswith("task/") and k.endswith("/mean") and k.count("/") == 4})
+        lines.append(f"| {t} | {both(names.TASK_REWARD.of(t))} | {both(names.TASK_KL.of(t))} | "
+                     f"{both(names.TASK_BETA.of(t), 4)} | "
+                     f"{both(names.TASK_ZERO_VAR_FRAC.of(t), 2)} |")
+    objectives = sorted({k for r in run.steps for k in r if names.OBJECTIVE_MEAN.matches(k)})
     if objectives:
         lines += ["", "| objective | mean |", "|---|---|"]
-        lines += [f"| {k[len('task/'):-len('/mean')]} | {both(k)} |" for k in objectives]
-    truncated = run.series("rollout/truncated_frac")
-    lines += ["", f"Completion length {both('rollout/completion_length', 1)} tokens; truncated "
+        lines += [f"| {names.PerObjective.objective(k)} | {both(k)} |" for k in objectives]
+    truncated = run.series(names.TRUNCATED_FRAC)
+    lines += ["", f"Completion length {both(names.COMPLETION_LENGTH, 1)} tokens; truncated "
               f"{_fmt(100 * _mean(truncated), 1)} % on average, at most "
               f"{_fmt(100 * max(truncated, default=math.nan), 1)} % in a step."]
     return lines
@@ -164,16 +164,18 @@ def _events(run: RunFiles) -> list[str]:
 
 
 def _speed(run: RunFiles) -> list[str]:
-    step = _mean(run.series("time/step_s"))
+    step = _mean(run.series(names.TIME_STEP))
     if math.isnan(step):
         return ["No timing recorded."]
-    parts = {name: _mean(run.series(f"time/{name}_s")) for name in ("rollout", "reward", "update")}
+    parts = {name: _mean(run.series(key)) for name, key in (
+        ("rollout", names.TIME_ROLLOUT), ("reward", names.TIME_REWARD),
+        ("update", names.TIME_UPDATE))}
     split = ", ".join(f"{name} {100 * v / step:.0f} %" for name, v in parts.items()
                       if not math.isnan(v))
     lines = [f"{step:.2f} s per step ({split}); "
-             f"{_mean(run.series('throughput/completion_tokens_per_s')):.0f} completion tokens/s "
+             f"{_mean(run.series(names.TOKENS_PER_S)):.0f} completion tokens/s "
              "while sampling."]
-    peak = max(run.series("memory/peak_gib"), default=math.nan)
+    peak = max(run.series(names.PEAK_GIB), default=math.nan)
     estimate = run.summary.get("memory_estimate_gib")
     if not math.isnan(peak):
         vs = f" (the planner estimated {estimate:.2f} GiB)" if estimate else ""
@@ -193,27 +195,3 @@ def build_report(run_dir: str | Path, window: int = 10) -> str:
         ("## Speed and memory", _speed(run)),
     ]
     return "\n\n".join(f"{title}\n\n" + "\n".join(body) for title, body in sections) + "\n"
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `report RUN_DIR [--out FILE] [--window N]`."""
-    parser = subparsers.add_parser(
-        "report", help="a Markdown report of a run: evals, rewards, KL, alerts, speed",
-        description="Summarise a run directory (finished, running or crashed) as Markdown: "
-        "setup, greedy evals and the Pareto front, reward/KL/β per task at the start and the "
-        "end, health alerts, β and curriculum changes, speed and memory.")
-    parser.add_argument("run_dir", type=Path, help="the run directory (output.dir)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
-    parser.add_argument("--window", type=int, default=10,
-                        help="steps averaged at the start and the end (default 10)")
-    return parser
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    if args.window < 1:
-        raise ReportError(f"--window {args.window} must be >= 1")
-    text = build_report(args.run_dir, args.window)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
-    print(text, end="")
-    return 0

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from mogrpo.config.sections import reward_label
 from mogrpo.errors import ConfigError, MogrpoError
-from mogrpo.rewards.base import resolve_reward, reward_label
-from mogrpo.rewards.judge_cache import CACHE_FILE, JudgeCache
-from mogrpo.rewards.judge_client import Budget, Provider
-from mogrpo.rewards.judge_parse import ScoreParser
+from mogrpo.rewards.base import resolve_reward
+from mogrpo.rewards.judge.cache import CACHE_FILE, JudgeCache
+from mogrpo.rewards.judge.client import Budget, Provider
+from mogrpo.rewards.judge.parse import ScoreParser
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ there is no authentication, so expose it on another interface only on a trusted 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -27,7 +26,7 @@ from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.modeling.chat import has_chat_template, render_prompt
 from mogrpo.modeling.load import load_policy, resolve_model_dir
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
-from mogrpo.serve_api import RequestError, completion_response, make_handler, parse_request
+from mogrpo.serve.api import RequestError, completion_response, make_handler, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -250,21 +249,3 @@ def start_server(
         logger.warning("serving on %s without authentication: anyone who can reach it can use "
                        "the model", host)
     return server, thread
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run the server until interrupted (Ctrl-C); returns the exit code."""
-    server, thread = start_server(
-        args.model_path, args.host, args.port, max_batch=args.max_batch,
-        max_new_tokens=args.max_new_tokens, model_name=args.name, dtype=args.dtype)
-    logger.info("serving %s at %s (POST /chat/completions, GET /models; max batch %d, max new "
-                "tokens %d); Ctrl-C stops", server.model_name, server.url, args.max_batch,
-                args.max_new_tokens)
-    try:
-        while thread.is_alive():
-            thread.join(timeout=0.5)
-    except KeyboardInterrupt:
-        logger.info("stopping the server")
-    finally:
-        server.close()
-    return 0

@@ -1,7 +1,8 @@
-"""The run configuration: typed sections, layered sources, validation before any model loads.
+"""Loading the run configuration: layered sources, validation before any model loads, and
+the field reference.
 
 Priority (highest wins): ``--set section.key=value`` > environment ``MOGRPO_SECTION__KEY`` >
-the YAML file > the section defaults (`mogrpo.sections`, re-exported here). Every field
+the YAML file > the section defaults (`mogrpo.config.sections`). Every field
 carries its documentation in the docstring right under it; ``mogrpo config show`` prints
 where each resolved value came from.
 """
@@ -17,35 +18,10 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
 from mogrpo.errors import ConfigError
-from mogrpo.sections import (
-    AlgorithmConfig,
-    DataSource,
-    EvalConfig,
-    KLControlConfig,
-    LoggingConfig,
-    LoraConfig,
-    ModelConfig,
-    OutputConfig,
-    RewardConfig,
-    RolloutConfig,
-    RunConfig,
-    Section,
-    SFTConfig,
-    TaskConfig,
-    TrainConfig,
-    derive_lengths,
-)
 
 ENV_PREFIX = "MOGRPO_"
-
-__all__ = [  # the sections (from mogrpo.sections) and the loading API
-    "AlgorithmConfig", "DataSource", "EvalConfig", "KLControlConfig", "LoggingConfig", "LoraConfig",
-    "ModelConfig", "OutputConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig",
-    "Section", "TaskConfig", "TrainConfig", "ENV_PREFIX", "Sourced", "check_unknown_keys",
-    "derive_lengths", "describe", "env_overrides", "field_reference", "flatten", "load_config",
-    "parse_set", "parse_value", "read_yaml", "to_yaml", "validate",
-]
 
 
 # ----------------------------------------------------------------------------- sources

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from mogrpo.rewards.judge_client import Outcome
+from mogrpo.rewards.judge.client import Outcome
 
 ERROR_KINDS = ("timeout", "connection", "http_429", "http_5xx", "http_4xx", "bad_body")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from mogrpo.config_base import Section
+from mogrpo.config.base import Section
 from mogrpo.errors import ConfigError
 
 

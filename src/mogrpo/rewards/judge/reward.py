@@ -21,11 +21,11 @@ from typing import Any
 from mogrpo.errors import ConfigError, RewardError
 from mogrpo.rewards.base import TRAINER_ARGUMENTS, call_reward
 from mogrpo.rewards.builtin import completion_text
-from mogrpo.rewards.judge_cache import JudgeCache, cache_key
-from mogrpo.rewards.judge_client import Budget, JudgeClient, Outcome, Provider
-from mogrpo.rewards.judge_options import parse_options
-from mogrpo.rewards.judge_parse import ScoreParser
-from mogrpo.rewards.judge_stats import JudgeStats
+from mogrpo.rewards.judge.cache import JudgeCache, cache_key
+from mogrpo.rewards.judge.client import Budget, JudgeClient, Outcome, Provider
+from mogrpo.rewards.judge.options import parse_options
+from mogrpo.rewards.judge.parse import ScoreParser
+from mogrpo.rewards.judge.stats import JudgeStats
 from mogrpo.templates import placeholders
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Argument parser of `mogrpo serve` (kept apart from the server so `--help` stays fast)."""
+"""`mogrpo serve MODEL_PATH`: a model behind the OpenAI chat-completions API (the server is
+`mogrpo.serve.server`, imported only when the command runs so `--help` stays fast)."""
 
 from __future__ import annotations
 
@@ -22,4 +23,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="cap on max_tokens of any request (default 256)")
     parser.add_argument("--name", default=None, help="model id reported by /v1/models (default: directory name)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
+    parser.set_defaults(handler=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted (Ctrl-C); returns the exit code."""
+    from mogrpo.serve.server import logger, start_server
+
+    server, thread = start_server(
+        args.model_path, args.host, args.port, max_batch=args.max_batch,
+        max_new_tokens=args.max_new_tokens, model_name=args.name, dtype=args.dtype)
+    logger.info("serving %s at %s (POST /chat/completions, GET /models; max batch %d, max new "
+                "tokens %d); Ctrl-C stops", server.model_name, server.url, args.max_batch,
+                args.max_new_tokens)
+    try:
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+    except KeyboardInterrupt:
+        logger.info("stopping the server")
+    finally:
+        server.close()
+    return 0

@@ -1,5 +1,6 @@
 """The base of every config section (its own module so that sections defined beside their
-feature — health, curriculum — and `mogrpo.sections` share it without an import cycle)."""
+feature — health, curriculum — and `mogrpo.config.sections` share it without an import
+cycle)."""
 
 from pydantic import BaseModel, ConfigDict
 

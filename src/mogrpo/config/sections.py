@@ -1,7 +1,7 @@
 """The run configuration's typed sections: one pydantic model per config section, each field
 documented by the docstring right under it (`mogrpo config fields` prints them all).
 
-Loading, layering and validation live in `mogrpo.config`, which re-exports these classes.
+Loading, layering and validation live in `mogrpo.config.load`; `mogrpo.config` exports both.
 """
 
 from __future__ import annotations
@@ -12,9 +12,19 @@ from typing import Any, Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 
-from mogrpo.config_base import Section
-from mogrpo.curriculum import CurriculumConfig
-from mogrpo.health import HealthConfig
+from mogrpo.algo.choices import (
+    AdvantageCombine,
+    AdvantageScaling,
+    ImportanceSamplingLevel,
+    KLControllerKind,
+    KLEstimator,
+    KLImportanceWeight,
+    LossAggregation,
+    LossType,
+)
+from mogrpo.config.base import Section
+from mogrpo.health.config import HealthConfig
+from mogrpo.tasks.curriculum import CurriculumConfig
 
 RolloutEngine = Literal["auto", "native", "hf", "vllm"]
 
@@ -54,6 +64,11 @@ class LoraConfig(Section):
     """Module names to adapt, e.g. [q_proj, k_proj, v_proj, o_proj], or `all-linear`."""
 
 
+def reward_label(spec: str) -> str:
+    """"mc_correct" → "mc_correct"; "pkg.mod:fn" and "dir/file.py:fn" → "fn"."""
+    return spec.strip().rpartition(":")[2]
+
+
 def callable_spec(fn: Callable[..., Any]) -> str:
     """How a reward passed as a Python callable is written in config.yaml: `module:function`
     when that import path gives back this very object, else `python:NAME` (resumable only
@@ -84,11 +99,12 @@ class RewardConfig(Section):
 
     @property
     def label(self) -> str:
+        """The objective's name in metrics: `name`, else the function's (`reward_label`)."""
         if self.name:
             return self.name
         if callable(self.fn):
             return getattr(self.fn, "__name__", type(self.fn).__name__)
-        return self.fn.rsplit(":", 1)[-1]
+        return reward_label(self.fn)
 
     @field_serializer("fn", when_used="json")
     def _spec(self, fn: str | Callable[..., Any]) -> str:
@@ -96,7 +112,7 @@ class RewardConfig(Section):
 
 
 class KLControlConfig(Section):
-    kind: Literal["fixed", "band", "proportional"] = "fixed"
+    kind: KLControllerKind = "fixed"
     """How this task's β moves: `fixed`; `band` (KL below `low` → β × (1 − rate), above
     `high` → β × (1 + rate)); `proportional` (Ziegler et al. 2019, toward `target`)."""
     low: float | None = None
@@ -265,9 +281,9 @@ class RolloutConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    advantage_combine: AdvantageCombine = "sum_then_normalize"
     """Combine objectives before group normalisation, or normalise each first (MO-GRPO)."""
-    advantage_scaling: Literal["group", "batch", "none"] = "group"
+    advantage_scaling: AdvantageScaling = "group"
     """Divide centred rewards by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
     epsilon_low: float = Field(0.2, ge=0, lt=1)
     """Lower clip range of the importance ratio (1 - ε_low)."""
@@ -275,26 +291,23 @@ class AlgorithmConfig(Section):
     """Upper clip range (1 + ε_high); DAPO's clip-higher uses 0.28."""
     num_iterations: int = Field(1, ge=1)
     """μ: optimisation passes over each rollout batch."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """KL estimator from Schulman (2020); k3 is unbiased and always ≥ 0."""
-    kl_importance_weight: Literal["off", "detached", "differentiable"] = "off"
+    kl_importance_weight: KLImportanceWeight = "off"
     """Multiply the KL estimate by the importance ratio π/π_old (the samples came from π_old):
     `differentiable` is TRL's `use_bias_correction_kl` (DeepSeek-V3.2, arXiv 2512.02556), whose
     gradient is exactly that of KL(π‖π_ref), also at μ = 1; `detached` (`true`) reweights the
     value only (arXiv 2505.17508), so the gradient is plain k3's — the same for every μ."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = (
-        "grpo"
-    )
+    loss_type: LossType = "grpo"
     """Policy loss, as TRL names them: `grpo` (DeepSeekMath, arXiv 2402.03300), `bnpo`
     (TRL's per-micro-batch token mean), `dr_grpo` (arXiv 2503.20783), `dapo` (arXiv
     2503.14476), `cispo` (MiniMax-M1, arXiv 2506.13585), `sapo` (arXiv 2511.20347), `luspo`
     (arXiv 2602.05261; use with sequence-level weights), `vespo` (arXiv 2602.10693)."""
-    loss_aggregation: Literal["seq_mean", "token_mean", "fixed_length", "seq_sum",
-                              "micro_token_mean"] | None = None
+    loss_aggregation: LossAggregation | None = None
     """How token losses are summed up; null = the loss type's own: `seq_mean` (grpo, sapo),
     `token_mean` (dapo, cispo, vespo), `fixed_length` (dr_grpo), `seq_sum` (luspo),
     `micro_token_mean` (bnpo; the only one that depends on the micro-batch split)."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
     """Importance ratio per token, or one per sequence from its mean log-ratio (GSPO, arXiv
     2507.18071)."""
     delta: float | None = Field(None, gt=1)

@@ -7,11 +7,12 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mogrpo.pareto import ParetoTracker, Point
+from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
 from mogrpo.rollout.generate import generate_rollout
-from mogrpo.train.common import MetricsWriter, TrainContext, render_prompts
-from mogrpo.train.metrics import format_quick_eval
+from mogrpo.tasks.context import TrainContext, render_prompts
+from mogrpo.tracking import names
+from mogrpo.tracking.jsonl import MetricsWriter
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class TaskEval:
     """The first few (prompt, greedy completion) pairs, for printing."""
 
     def as_metrics(self, task: str) -> dict[str, float]:
-        return {f"eval/{task}/{k}": v for k, v in asdict(self).items()
+        return {names.eval_metric(task, k): v for k, v in asdict(self).items()
                 if k not in ("reward", "samples")}
 
 
@@ -77,6 +78,40 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
     return results
 
 
+def _initials(tasks: list[str]) -> list[str]:
+    """Short column labels: first letters, lengthened until they are unique."""
+    for n in range(1, max(len(t) for t in tasks) + 1):
+        short = [t[:n].upper() for t in tasks]
+        if len(set(short)) == len(short):
+            return short
+    return tasks
+
+
+def format_quick_eval(step: int | str, evals: dict[str, dict[str, float]],
+                      kl: dict[str, float], beta: dict[str, float]) -> str:
+    """The compact per-eval table::
+
+        [QuickEval@20] greedy   fairness 0.452  hallucination 0.497
+          truncated  F 0.0%  H 0.0%  | length  F 64.5  H 51.4
+          KL         F 0.035 H 0.095 | beta    F 0.1000 H 0.3000
+    """
+    tasks = list(evals)
+    short = dict(zip(tasks, _initials(tasks), strict=True))
+
+    def row(values: dict[str, float], fmt: str) -> str:
+        return " ".join(f"{short[t]} {format(values[t], fmt)}" if t in values and not
+                        math.isnan(values[t]) else f"{short[t]} -" for t in tasks)
+
+    scores = "  ".join(f"{t} {evals[t]['score']:.3f}" for t in tasks)
+    truncated = row({t: evals[t]["truncated_frac"] for t in tasks}, ".1%")
+    length = row({t: evals[t]["mean_length"] for t in tasks}, ".1f")
+    return (
+        f"[QuickEval@{step}] greedy   {scores}\n"
+        f"  truncated  {truncated} | length  {length}\n"
+        f"  KL         {row(kl, '.3f')} | beta    {row(beta, '.4f')}"
+    )
+
+
 def eval_metrics(results: dict[str, TaskEval]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, r in results.items():
@@ -94,6 +129,9 @@ class QuickEval:
         self.writer = MetricsWriter(run_dir / "eval.jsonl")
         self.pareto = ParetoTracker([t.name for t in ctx.tasks])
         self.scores: dict[str, dict[str, float]] = {}
+        self.records: list[dict] = []
+        """Every line written to eval.jsonl: part of the state, so a resume rewrites the file
+        to exactly the evals its checkpoint knows of."""
 
     def __call__(self, tag: str, step: int, step_metrics: dict[str, float] | None = None
                  ) -> dict[str, float]:
@@ -101,8 +139,8 @@ class QuickEval:
         if not results:
             return {}
         step_metrics = step_metrics or {}
-        kl = {n: step_metrics.get(f"task/{n}/kl", float("nan")) for n in results}
-        beta = {t.name: step_metrics.get(f"task/{t.name}/beta", t.config.beta)
+        kl = {n: step_metrics.get(names.TASK_KL.of(n), float("nan")) for n in results}
+        beta = {t.name: step_metrics.get(names.TASK_BETA.of(t.name), t.config.beta)
                 for t in self.ctx.tasks if t.name in results}
         table = format_quick_eval(tag, {n: asdict(r) for n, r in results.items()}, kl, beta)
         log.info(table)
@@ -111,7 +149,8 @@ class QuickEval:
                 log.info("  [%s] %s\n    -> %s", name, prompt.replace("\n", " ")[-120:], completion)
         record = {n: {k: v for k, v in asdict(r).items() if k != "samples"}
                   for n, r in results.items()}
-        self.writer.write({"step": step, "tag": tag, **record})
+        self.records.append({"step": step, "tag": tag, **record})
+        self.writer.write(self.records[-1])
         self.scores[tag] = {n: r.score for n, r in results.items()}
         self.pareto.add(Point(f"step-{step}", step, self.scores[tag]))
         self.pareto.save(self.run_dir / "pareto.json")
@@ -122,8 +161,10 @@ class QuickEval:
         self.writer.close()
 
     def state_dict(self) -> dict:
-        return {"pareto": self.pareto.state_dict(), "scores": self.scores}
+        return {"pareto": self.pareto.state_dict(), "scores": self.scores,
+                "records": list(self.records)}
 
     def load_state_dict(self, state: dict) -> None:
         self.pareto.load_state_dict(state["pareto"])
         self.scores = dict(state["scores"])
+        self.records = list(state["records"])

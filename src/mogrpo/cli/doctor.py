@@ -1,4 +1,5 @@
-"""`mogrpo doctor env`: what this machine offers a run — versions, GPUs and their memory, kernels.
+"""`mogrpo doctor`: a checkpoint (`mogrpo.checkpoint.doctor` writes that report), or what this
+machine offers a run (`doctor env`) — versions, GPUs and their memory, kernels.
 
 `collect()` gathers plain data (JSON-safe, testable with stubbed `torch.cuda` functions);
 `report()` turns it into the text a user pastes into a bug report.
@@ -16,6 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from mogrpo.cli.args import add_overrides
 
 GIB = 2**30
 PACKAGES = ("mogrpo", "torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes",
@@ -192,26 +195,37 @@ def report(info: dict[str, Any]) -> str:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `env [--json]` to the `doctor` command's subparsers."""
+    """Add `doctor CHECKPOINT [--config CONFIG] [--set K=V ...]` and `doctor env [--json]`."""
     parser = subparsers.add_parser(
-        "env", help="versions, GPUs and their memory, usable kernels",
-        description="Print Python and library versions, each GPU's name, compute capability "
-        "and memory (total, free, allocated and reserved by this process, held by others), "
-        "whether bf16, flash-attention, bitsandbytes and torch.compile are usable, CPU and RAM, "
-        "and environment variables that change a run.")
-    parser.add_argument("--json", action="store_true", help="print the data as JSON")
-    parser.set_defaults(handler=cmd_doctor_env)
+        "doctor", help="diagnose a checkpoint (or the environment: `mogrpo doctor env`)",
+        description="`mogrpo doctor CHECKPOINT [--config CONFIG]`: integrity per file, step, "
+        "config summary and hash, package versions then and now, controller states, and — "
+        "with --config — whether resuming with that config would be allowed, with the diff. "
+        "`mogrpo doctor env [--json]`: Python and library versions, each GPU's name, compute "
+        "capability and memory (total, free, allocated and reserved by this process, held by "
+        "others), whether bf16, flash-attention, bitsandbytes and torch.compile are usable, CPU "
+        "and RAM, and environment variables that change a run.",
+    )
+    parser.add_argument("target", help="`env`, or a checkpoint directory (RUN/checkpoints/step-N)")
+    parser.add_argument("--config", type=Path, help="a config to check a resume against")
+    parser.add_argument("--json", action="store_true", help="`doctor env`: print JSON")
+    add_overrides(parser)
+    parser.set_defaults(handler=cmd_doctor)
     return parser
 
 
-def cmd_doctor_env(args: argparse.Namespace) -> int:
-    info = collect()
-    print(json.dumps(info, indent=2) if args.json else report(info))
+def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.target == "env":
+        info = collect()
+        print(json.dumps(info, indent=2) if args.json else report(info))
+        return 0
+    from mogrpo.checkpoint.doctor import doctor_report
+    from mogrpo.config import load_config
+    from mogrpo.errors import MogrpoError
+
+    path = Path(args.target)
+    if not path.is_dir():
+        raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
+    config = load_config(args.config, args.overrides)[0] if args.config else None
+    print(doctor_report(path, config))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run `doctor env` standalone (what `mogrpo doctor env` does)."""
-    parser = argparse.ArgumentParser(prog="mogrpo doctor")
-    add_parser(parser.add_subparsers(dest="doctor_command", required=True))
-    return cmd_doctor_env(parser.parse_args(["env", *(sys.argv[1:] if argv is None else argv)]))

@@ -1,0 +1,71 @@
+"""Config drift between a checkpoint and the config a run is resumed with.
+
+Settings that do not change the math done so far (total steps, logging and eval intervals,
+output locations) may change on resume; they are listed. Anything else — model, LoRA, tasks
+and rewards, lengths, K, algorithm, optimiser — refuses the resume with a field-by-field
+diff, unless the user explicitly allows it (then the diff is logged and recorded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mogrpo.checkpoint.store import CheckpointError
+from mogrpo.config import RunConfig, flatten, to_yaml
+
+ALLOWED_PREFIXES = (
+    "train.max_steps",
+    "logging.",
+    "eval.every_steps",
+    "eval.print_samples",
+    "output.",
+)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One config field that differs between the checkpoint and the new config."""
+
+    key: str
+    old: Any
+    new: Any
+
+    @property
+    def allowed(self) -> bool:
+        return any(self.key == p or (p.endswith(".") and self.key.startswith(p))
+                   for p in ALLOWED_PREFIXES)
+
+    def __str__(self) -> str:
+        return f"{self.key}: {json.dumps(self.old)} -> {json.dumps(self.new)}"
+
+
+def config_hash(config: RunConfig) -> str:
+    return hashlib.sha256(to_yaml(config).encode("utf-8")).hexdigest()[:16]
+
+
+def config_diff(saved_yaml: str, config: RunConfig) -> list[Change]:
+    """Field-by-field differences, saved (old) vs the new config."""
+    old = flatten(yaml.safe_load(saved_yaml) or {})
+    new = flatten(config.model_dump(mode="json"))
+    keys = sorted(set(old) | set(new))
+    return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def check_drift(changes: list[Change], allow: bool, checkpoint: Path) -> list[Change]:
+    """Raise on a change that alters the math, unless allowed; return the changes to record."""
+    forbidden = [c for c in changes if not c.allowed]
+    if forbidden and not allow:
+        raise CheckpointError(
+            f"the config differs from the one checkpoint {checkpoint} was trained with:\n  "
+            + "\n  ".join(str(c) for c in forbidden)
+            + "\nthese change the training math, so resuming would not continue the same run; "
+            "restore them, start a new run, or pass --allow-config-change to resume anyway "
+            "(the change is then recorded in config_changes.jsonl)"
+        )
+    return changes

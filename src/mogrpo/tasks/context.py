@@ -1,0 +1,51 @@
+"""What every phase of a run works on: the config, the tasks, the loaded policy and how to
+sample from it (built by `mogrpo.train.run.build_context`), and the task's prompts rendered
+for that policy's tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mogrpo.config import RunConfig
+from mogrpo.data.schema import Example
+from mogrpo.modeling.chat import render_prompt
+from mogrpo.rollout.generate import SamplingSettings
+from mogrpo.tasks.task import Task
+
+
+@dataclass
+class TrainContext:
+    """What every phase needs: the config, tasks, the loaded policy and how to sample."""
+
+    config: RunConfig
+    tasks: list[Task]
+    policy: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    stop_token_ids: list[int]
+    sampling: SamplingSettings
+    rollout_engine: Any = None
+    """The colocated vLLM engine (`rollout.engine: vllm`), else None: the policy generates."""
+
+    @property
+    def engine(self) -> Any:
+        """What `generate_rollout` gets as `engine`: the vLLM engine, or the configured name."""
+        return self.rollout_engine if self.rollout_engine is not None \
+            else self.config.rollout.engine
+
+
+def render_prompts(ctx: TrainContext, picks: list[tuple[int, Example]]) -> tuple[list[str], bool]:
+    """Prompt texts ready to tokenize, and whether the tokenizer should add special tokens."""
+    texts, add_special = [], True
+    for t, example in picks:
+        text, add_special = render_prompt(
+            ctx.tokenizer,
+            example.prompt,
+            system_prompt=ctx.tasks[t].config.system_prompt,
+            use_chat_template=ctx.config.model.use_chat_template,
+        )
+        texts.append(text)
+    return texts, add_special

@@ -1,0 +1,167 @@
+"""The run's state: everything a resume needs, collected from the parts that own it and saved
+and restored in one place.
+
+A checkpoint (`mogrpo.checkpoint.store`) is this state on disk:
+
+| part | owner | in the checkpoint |
+|---|---|---|
+| trainable weights | the policy | weights.safetensors |
+| AdamW moments | `GRPOTrainer.optimizer` | optimizer.pt |
+| Python, NumPy, torch and CUDA RNGs | the process | rng.safetensors (restored last) |
+| step, skipped updates, task mixer, KL controllers, their KL window and β-change log, curriculum, health monitor, judges | `GRPOTrainer` | trainer_state.json `trainer` |
+| learning-rate schedule | `GRPOTrainer.scheduler` | `scheduler` |
+| eval records (the lines of eval.jsonl), scores, Pareto front | `QuickEval` | `quick_eval` |
+| tracker run ids (W&B, MLflow, TensorBoard directory) | `Trackers` (read when they start) | `trackers` |
+| SFT done, the summary so far, the config's hash | the run | `sft_done`, `summary`, `config_hash` |
+
+The run's append-only logs are made to agree with the checkpoint on resume, whatever the
+moment of the kill: metrics.jsonl is cut back to the checkpoint's step, eval.jsonl is
+rewritten from the eval records (so the final `end` eval, which runs after the last
+checkpoint, is written once), and the β-change and curriculum logs come back with the state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mogrpo.checkpoint import store
+from mogrpo.checkpoint.resume import check_drift, config_diff, config_hash
+from mogrpo.checkpoint.store import CheckpointError, Loaded
+from mogrpo.config import RunConfig, to_yaml
+from mogrpo.eval.quick_eval import QuickEval
+from mogrpo.tasks.context import TrainContext
+from mogrpo.tracking.jsonl import MetricsWriter, rewrite_jsonl, truncate_jsonl
+from mogrpo.tracking.trackers import Trackers
+from mogrpo.train.completions import COMPLETIONS_FILE
+from mogrpo.train.distributed import Dist, weights_checksum
+from mogrpo.train.grpo import GRPOTrainer
+
+log = logging.getLogger(__name__)
+
+METRICS_LOG = "metrics.jsonl"
+EVAL_LOG = "eval.jsonl"
+
+
+@dataclass
+class RunState:
+    """Everything a resume needs (see the module docstring for what lives where)."""
+
+    config: RunConfig
+    ctx: TrainContext
+    trainer: GRPOTrainer
+    quick_eval: QuickEval
+    trackers: Trackers
+    summary: dict[str, Any]
+    sft_done: bool
+    dist: Dist
+    run_dir: Path
+
+    def state_dict(self) -> dict[str, Any]:
+        """The JSON part (the weights, optimizer and RNGs are saved as tensors beside it)."""
+        return {"trainer": self.trainer.state_dict(),
+                "scheduler": self.trainer.scheduler.state_dict(),
+                "quick_eval": self.quick_eval.state_dict(), "sft_done": self.sft_done,
+                "config_hash": config_hash(self.config), "summary": self.summary,
+                "trackers": self.trackers.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the JSON part; the trackers read theirs when they start (`Trackers(state=)`)."""
+        self.trainer.scheduler.load_state_dict(state["scheduler"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.quick_eval.load_state_dict(state["quick_eval"])
+        self.summary.update(state.get("summary", {}))
+        self.sft_done = bool(state["sft_done"])
+
+    def save(self, step: int) -> Path:
+        """Checkpoint `step`: make the trackers durable, write every part, prune old ones.
+
+        Processes r > 0 hold the same weights and optimizer as process 0, so they save their
+        state and RNG only; a checksum of the weights proves they do."""
+        self.trackers.barrier()
+        state = self.state_dict()
+        state["weights_checksum"] = weights_checksum(self.ctx.policy)
+        sums = self.dist.gather(state["weights_checksum"])
+        if len(set(sums)) > 1:
+            raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
+                                  f"{sums}); not saving a checkpoint that would hide it")
+        main = self.dist.is_main
+        path = store.save_checkpoint(self.run_dir, step,
+                                     model=self.ctx.policy if main else None,
+                                     optimizer=self.trainer.optimizer if main else None,
+                                     state=state, config_yaml=to_yaml(self.config))
+        pareto = self.quick_eval.pareto.to_json()
+        protected = {p["step"] for p in pareto["front"]}
+        protected |= {p["step"] for p in pareto["best"].values()}
+        store.prune(self.run_dir, self.config.output.keep_last, protected)
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def restore(self, loaded: Loaded) -> None:
+        """Put a verified checkpoint back into every part; the RNGs last, as nothing may draw
+        from them afterwards."""
+        store.load_weights(self.ctx.policy, loaded.weights)
+        self.trainer.optimizer.load_state_dict(loaded.optimizer)
+        self.load_state_dict(loaded.state)
+        store.restore_rng(loaded.rng, loaded.state["rng"])
+
+
+def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
+                    dist: Dist, main_dir: Path) -> Loaded:
+    """Pick and verify the checkpoint, check config drift, and make the logs agree with it."""
+    if dist.world_size == 1:
+        loaded = store.load_checkpoint(store.find_resume(run_dir, resume))
+    else:
+        loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
+    path = loaded.path
+    changes = check_drift(config_diff(loaded.config_yaml, config), allow_config_change, path)
+    step = loaded.state["step"]
+    if changes:
+        for change in changes:
+            log.info("config change on resume (%s): %s",
+                     "allowed" if change.allowed else "FORCED", change)
+        with MetricsWriter(run_dir / "config_changes.jsonl") as writer:
+            writer.write({"step": step, "checkpoint": str(path),
+                          "changes": [vars(c) | {"allowed": c.allowed} for c in changes]})
+    repair_logs(run_dir, loaded.state)
+    (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
+    log.info("resuming from %s (step %d)", path, step)
+    return loaded
+
+
+def repair_logs(run_dir: Path, state: dict[str, Any]) -> None:
+    """Make the append-only logs hold exactly what the checkpointed run had written: the
+    metrics and completions up to its step, the evals it recorded (written anew, atomically)."""
+    step = state["step"]
+    truncate_jsonl(run_dir / METRICS_LOG, step)
+    truncate_jsonl(run_dir / COMPLETIONS_FILE, step)
+    quick_eval = state["quick_eval"]
+    if "records" in quick_eval:
+        rewrite_jsonl(run_dir / EVAL_LOG, quick_eval["records"])
+    else:  # a checkpoint from before the records were saved: cut back by step, then read
+        truncate_jsonl(run_dir / EVAL_LOG, step)
+        path = run_dir / EVAL_LOG
+        lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+        quick_eval["records"] = [json.loads(line) for line in lines]
+
+
+def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Path) -> Loaded:
+    """The newest step every process saved intact (or the step of the path given); processes
+    r > 0 read the weights and optimizer from process 0's checkpoint of that step."""
+    if resume == "auto":
+        intact = {s.step for s in store.list_checkpoints(run_dir) if s.ok}
+        common = set.intersection(*[set(steps) for steps in dist.gather(sorted(intact))])
+        if not common:
+            raise CheckpointError(
+                f"--resume auto: no step has an intact checkpoint in every one of the "
+                f"{dist.world_size} processes ({main_dir / store.CHECKPOINTS} and .rank-N); "
+                "start a new run or give a checkpoint path")
+        step = max(common)
+    else:  # a path to one of process 0's checkpoints: that step in every process
+        step = store.verify(store.find_resume(main_dir, resume)).step
+    name = f"step-{step:07d}"
+    shared = None if dist.is_main else main_dir / store.CHECKPOINTS / name
+    return store.load_checkpoint(run_dir / store.CHECKPOINTS / name, shared_from=shared)
