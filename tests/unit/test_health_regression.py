@@ -120,6 +120,24 @@ def test_flat_noisy_runs_do_not_alert():
         assert monitor.alerts == [], monitor.summary()
 
 
+def test_kl_growth_while_reward_falls_is_one_alert_not_two():
+    """KL growing ×1.15 a step (fixed β) is a kl_explosion on its own; while the reward falls,
+    the reward alert carries it and kl_explosion stays quiet."""
+    def run(reward_falls: bool) -> list:
+        rng, monitor = random.Random(5), HealthMonitor()
+        for step in range(1, 41):
+            p = 0.9 - (0.5 * min(1.0, max(0, step - 8) / 10) if reward_falls else 0.0)
+            kl = 0.005 * 1.15**step
+            monitor.observe(step, {"task/t/reward/r/mean": sum(rng.random() < p
+                                                               for _ in range(16)) / 16,
+                                   "task/t/kl": kl, "kl": kl, "task/t/beta": 0.04}, FULL)
+        return monitor.alerts
+
+    assert [a.check for a in run(reward_falls=False)] == ["kl_explosion"] * 2  # task/t/kl, kl
+    (alert,) = run(reward_falls=True)
+    assert alert.check == "reward_regression" and ", while KL rose from " in alert.evidence
+
+
 # ----------------------------------------------------------------------------- causes
 
 

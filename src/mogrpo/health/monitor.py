@@ -116,6 +116,7 @@ class HealthMonitor:
         self._rollback: Alert | None = None
         self.rollbacks = 0
         self.reward_regression = RewardRegression(self.config.reward_regression)
+        self._kl_told: list[str] = []  # tasks whose reward alert holds their KL growth
         self.eval_regression = EvalRegression(self.config.eval_regression)
 
     @property
@@ -262,7 +263,8 @@ class HealthMonitor:
             base = statistics.median(before[: len(before) // 2]) if full else math.inf
             # with a budget, the controller owns KL's course: only the ceiling applies
             growing = (not budget and full and level >= cfg.min_kl
-                       and level > cfg.growth_factor * base)
+                       and level > cfg.growth_factor * base
+                       and not (_task(key) in self._kl_told or (key == "kl" and self._kl_told)))
             if not self._held("kl_explosion", key, level > ceiling or growing):
                 continue
             how = (f"above the ceiling {ceiling:g}" if level > ceiling else
@@ -280,14 +282,24 @@ class HealthMonitor:
     def _reward_regression(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                            fired: list[Alert]) -> None:
         lr = ctx.lr if ctx.lr is not None else m.get("lr")
-        for key, (task, objective) in sorted(self.reward_regression.observe(step, m).items()):
+        falling: set[str] = set()
+        seen = self.reward_regression.observe(step, m)
+        for key, (task, objective) in sorted(seen.items()):
             beta = m.get(f"task/{task}/beta")
             facts = RunFacts(lr=lr if _finite(lr) else None, full_finetune=ctx.full_finetune,
                              fixed_beta=task not in ctx.kl_budgets,
                              beta=beta if _finite(beta) else None)
             finding = self.reward_regression.test(task, objective, facts)
+            if finding is not None:
+                falling.add(task)
             if self._held("reward_regression", key, finding is not None):
                 self._fire_finding("reward_regression", step, finding, fired)
+                if finding.kl_grew and task not in self._kl_told:
+                    self._kl_told.append(task)
+        # while a task's reward keeps falling, its KL growth has been said: kl_explosion's
+        # growth test stays quiet for it (one alert with both signals, not two)
+        tasks = {task for task, _ in seen.values()}
+        self._kl_told = [t for t in self._kl_told if t in falling or t not in tasks]
 
     def _eval_regression(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                          fired: list[Alert]) -> None:
@@ -453,7 +465,7 @@ class HealthMonitor:
                 "history": {k: list(v) for k, v in self._history.items()},
                 "best": {k: list(v) for k, v in self._best.items()},
                 "nonfinite": self._nonfinite, "skipped": self._skipped, "steps": self._steps,
-                "rollbacks": self.rollbacks,
+                "rollbacks": self.rollbacks, "kl_told": list(self._kl_told),
                 "reward_regression": self.reward_regression.state_dict(),
                 "eval_regression": self.eval_regression.state_dict()}
 
@@ -466,5 +478,6 @@ class HealthMonitor:
         self._steps = state["steps"]
         # states saved before the regression checks existed hold none of theirs
         self.rollbacks = state.get("rollbacks", 0)
+        self._kl_told = list(state.get("kl_told", []))
         self.reward_regression.load_state_dict(state.get("reward_regression", {}))
         self.eval_regression.load_state_dict(state.get("eval_regression", {}))

@@ -49,6 +49,7 @@ class Finding:
     evidence: str
     causes: list[str] = field(default_factory=list)
     best_step: int | None = None
+    kl_grew: bool = False
 
 
 @dataclass
@@ -134,7 +135,8 @@ class RewardRegression:
         if kl:
             evidence += f", while {kl}"
         risen = self._risen(task, objective, ref_rows, recent_rows)
-        return Finding(evidence, _reward_causes(task, objective, facts, kl, risen))
+        return Finding(evidence, _reward_causes(task, objective, facts, kl, risen),
+                       kl_grew=kl is not None)
 
     def _kl_growth(self, ref_rows: list[list[Any]], recent_rows: list[list[Any]]) -> str | None:
         """'KL rose from a to b (×r)' when the task's KL grew between the two windows."""
