@@ -42,6 +42,9 @@ class StepContext:
     full_finetune: bool | None = None
     """All weights trained (True) or adapters (False): the learning rate a regression alert
     calls too high, and suggests, depends on it."""
+    learning_rate: float | None = None
+    """The run's peak learning rate (train.learning_rate, × lr_factor per rollback), which a
+    fix names; None = this step's `lr` (lower during warm-up)."""
 
 
 @dataclass
@@ -281,7 +284,7 @@ class HealthMonitor:
 
     def _reward_regression(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                            fired: list[Alert]) -> None:
-        lr = ctx.lr if ctx.lr is not None else m.get("lr")
+        lr = ctx.learning_rate or (ctx.lr if ctx.lr is not None else m.get("lr"))
         falling: set[str] = set()
         seen = self.reward_regression.observe(step, m)
         for key, (task, objective) in sorted(seen.items()):

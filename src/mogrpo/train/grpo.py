@@ -100,6 +100,7 @@ class GRPOTrainer:
             kl_budgets={t.name: t.config.kl.kl_budget() for t in ctx.tasks
                         if t.config.kl.kl_budget() is not None},
             full_finetune=not self.config.lora.enabled,
+            learning_rate=self.config.train.learning_rate,
         )
         self.rollbacks: list[dict[str, Any]] = []
 
@@ -437,6 +438,7 @@ class GRPOTrainer:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         sched._last_lr = lrs  # what get_last_lr() reports until the next step
+        self.health_ctx.learning_rate = sched.base_lrs[0]
         return lrs[0]
 
     def next_stage(self, metrics: dict[str, Any]) -> None:
@@ -475,6 +477,8 @@ class GRPOTrainer:
         if "curriculum" in state:
             self.curriculum.load_state_dict(state["curriculum"])
         self.rollbacks = list(state.get("rollbacks", []))
+        self.health_ctx.learning_rate = self.config.train.learning_rate * \
+            self.config.health.eval_regression.lr_factor ** len(self.rollbacks)
         for key, judge in judges(self.ctx.tasks).items():
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])
