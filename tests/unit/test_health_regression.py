@@ -138,6 +138,22 @@ def test_kl_growth_while_reward_falls_is_one_alert_not_two():
     assert alert.check == "reward_regression" and ", while KL rose from " in alert.evidence
 
 
+def test_min_drop_is_in_the_task_reward_so_a_small_bonus_dipping_is_no_regression():
+    """demo seed 1: the 0.1-weight format bonus dips 0.27 → 0.14 early on (p = 0.001, 2.2 ×
+    its noise) while the task learns; the task's reward moves by 0.013 < min_drop."""
+    def run(weight: float) -> list:
+        rng, monitor = random.Random(1), HealthMonitor()
+        for step in range(1, 41):
+            p = 0.9 - (0.5 if step > 16 else 0.0)
+            monitor.observe(step, {"task/t/reward/bonus/mean": sum(rng.random() < p
+                                                                   for _ in range(16)) / 16,
+                                   "task/t/reward/bonus/weight": weight}, FULL)
+        return monitor.alerts
+
+    assert run(weight=0.05) == []  # 0.05 × 0.5 = 0.025 < 0.05
+    assert [a.check for a in run(weight=1.0)] == ["reward_regression"]
+
+
 # ----------------------------------------------------------------------------- causes
 
 

@@ -136,8 +136,9 @@ class RewardRegressionConfig(CheckConfig):
     of a long run's windows sits above the true level by its noise (of 100 simulated flat runs
     of 250 steps, 2× alerted in 10, 3× in none; a 0.9 → 0.5 fall is still caught)."""
     min_drop: float = Field(0.05, ge=0)
-    """The drop must also be at least this much in reward units (a deterministic reward has
-    no noise, and a 0.01 drop of a 0–1 reward is no regression)."""
+    """The drop × the objective's weight must also be at least this much: the task's reward
+    falls by that much (a deterministic reward has no noise; a format bonus of weight 0.1
+    dipping by 0.15 early in the demo is no regression)."""
     kl_growth: float = Field(1.5, gt=1)
     """Tasks with a fixed β: the alert adds the KL signal when the recent window's median KL
     is at least this × the reference window's (and higher by the same rank test)."""

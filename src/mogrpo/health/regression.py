@@ -72,6 +72,7 @@ class RewardRegression:
         self.best: dict[str, list[Any]] = {}  # "task/objective" -> [mean, rows of the window]
         self.first: dict[str, list[Any]] = {}  # "task/objective" -> [mean, rows]: the start
         self.noise: dict[str, StepNoise] = {}  # "task/objective" -> one step's noise
+        self.weights: dict[str, float] = {}  # "task/objective" -> its latest weight
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
         """Record this step; returns {"task/objective": (task, objective)} of the objectives
@@ -82,9 +83,12 @@ class RewardRegression:
             parts = key.split("/")
             if len(parts) == 5 and parts[0] == "task" and parts[2] == "reward" \
                     and parts[4] == "mean" and _finite(value):
+                key = f"{parts[1]}/{parts[3]}"
                 per_task.setdefault(parts[1], {})[parts[3]] = float(value)
-                seen[f"{parts[1]}/{parts[3]}"] = (parts[1], parts[3])
-                self.noise.setdefault(f"{parts[1]}/{parts[3]}", StepNoise()).add(float(value))
+                seen[key] = (parts[1], parts[3])
+                self.noise.setdefault(key, StepNoise()).add(float(value))
+                weight = metrics.get(f"task/{parts[1]}/reward/{parts[3]}/weight")
+                self.weights[key] = abs(float(weight)) if _finite(weight) else 1.0
         w = self.config.window
         for task, values in per_task.items():
             kl = metrics.get(f"task/{task}/kl")
@@ -121,7 +125,9 @@ class RewardRegression:
             ref = [r[1][objective] for r in ref_rows if objective in r[1]]
             drop = statistics.fmean(ref) - statistics.fmean(recent)
             p = mann_whitney_greater(ref, recent)
-            if p < cfg.p_value and drop >= max(cfg.min_drop, effect * noise):
+            # min_drop is in the task's reward: a 0.1-weight bonus dipping 0.3 moves it 0.03
+            if p < cfg.p_value and drop >= effect * noise \
+                    and self.weights[key] * drop >= cfg.min_drop:
                 break
         else:
             return None
@@ -174,16 +180,19 @@ class RewardRegression:
         self.best.clear()
         self.first.clear()
         self.noise.clear()
+        self.weights.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"rows": self.rows, "best": self.best, "first": self.first,
-                "noise": {k: v.state() for k, v in self.noise.items()}}
+                "noise": {k: v.state() for k, v in self.noise.items()},
+                "weights": dict(self.weights)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rows = {k: [list(r) for r in v] for k, v in state.get("rows", {}).items()}
         self.best = {k: list(v) for k, v in state.get("best", {}).items()}
         self.first = {k: list(v) for k, v in state.get("first", {}).items()}
         self.noise = {k: StepNoise(list(v)) for k, v in state.get("noise", {}).items()}
+        self.weights = dict(state.get("weights", {}))
 
 
 def _reward_causes(task: str, objective: str, facts: RunFacts, kl: str | None,
