@@ -152,9 +152,31 @@ def _signals(run: RunFiles, window: int) -> list[str]:
     return lines
 
 
+def _alert(a: dict[str, Any]) -> list[str]:
+    """One alert: its step and check, then what was seen, the likely causes and the fix."""
+    if not a.get("evidence"):  # written before alerts carried their parts
+        return [f"- {a.get('message')}"]
+    lines = [f"- **step {a.get('step')}, {a.get('check')}** ({a.get('action')})",
+             f"  - evidence: {a['evidence']}"]
+    lines += [f"  - likely ({i}): {c}" for i, c in enumerate(a.get("causes") or [], 1)]
+    if a.get("fix"):
+        lines.append(f"  - fix: {a['fix']}")
+    return lines
+
+
 def _events(run: RunFiles) -> list[str]:
-    alerts = [e for e in run.events if e.get("event") == "health_alert"]
-    lines = [f"- {a.get('message')}" for a in alerts] or ["No health alert."]
+    # summary.json holds every alert (the last eval's too); a run still going has only the log
+    alerts = run.summary.get("health") or [e for e in run.events
+                                           if e.get("event") == "health_alert"]
+    lines = [line for a in alerts for line in _alert(a)] or ["No health alert."]
+    rollbacks = run.summary.get("rollbacks") or [e for e in run.events
+                                                 if e.get("event") == "health_rollback"]
+    for r in rollbacks:
+        lines.append(f"- **step {r.get('step')}: rolled back** to step {r.get('restored_step')} "
+                     f"(`{r.get('checkpoint')}`), learning rate {r.get('lr_before'):.3g} → "
+                     f"{r.get('lr_after'):.3g}")
+    if run.summary.get("best_checkpoint"):
+        lines.append(f"- best checkpoint on the Pareto front: {run.summary['best_checkpoint']}")
     changes = run.summary.get("beta_changes") or []
     if changes:
         lines += ["", f"{len(changes)} β change(s); the last: `{changes[-1]}`"]

@@ -307,9 +307,17 @@ def test_alert_event_and_summary():
     (alert,) = monitor.alerts
     event = json.loads(json.dumps(alert.as_event()))
     assert event == {"event": "health_alert", "check": "truncation", "step": 35,
-                     "message": alert.message, "action": "warn"}
+                     "message": alert.message, "action": "warn", "evidence": alert.evidence,
+                     "causes": alert.causes, "fix": alert.fix, "best_step": None}
+    # the message's parts: what was seen, why it may be, what to try
+    assert alert.evidence == ("50% of completions hit rollout.max_completion_length = 96 "
+                              "(threshold 20%) for 5 steps")
+    assert alert.causes == ["a budget too small for the task, repetition loops, or a stop token "
+                            "the model never emits"]
+    assert alert.fix.startswith("raise max_completion_length, check stop_token_ids")
     assert monitor.summary().splitlines() == [
-        "health: 1 alert(s) in 70 steps", f"  step 35 truncation (warn): {alert.message}"]
+        "health: 1 alert(s) in 70 steps", f"  step 35 truncation (warn): {alert.evidence}",
+        f"    likely: {alert.causes[0]}", f"    fix: {alert.fix}"]
 
 
 def test_state_round_trip_resumes_streaks():

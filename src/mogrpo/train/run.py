@@ -197,6 +197,7 @@ def run_training(config: RunConfig, resume: str | None = None,
                                "memory_estimate_gib": summary_memory}
     quick_eval = QuickEval(ctx, run_dir)
     sft_done = bool(loaded and loaded.state["sft_done"])
+    start_eval: dict[str, float] = {}
     if loaded is None:
         if config.sft.enabled:
             with MetricsWriter(run_dir / "sft_metrics.jsonl") as writer:
@@ -205,7 +206,7 @@ def run_training(config: RunConfig, resume: str | None = None,
             dist.barrier()  # the SFT model is on disk before anyone may need it
             sft_done = True
         if config.eval.at_start:
-            quick_eval("start", 0)
+            start_eval = quick_eval("start", 0)
     dist.broadcast_parameters(ctx.policy)  # one starting point (before the reference copy)
     if dist.world_size > 1 and loaded is None:  # each process samples its own completions
         torch.manual_seed(config.seed * 1_000_003 + dist.rank)
@@ -222,6 +223,7 @@ def run_training(config: RunConfig, resume: str | None = None,
                                                trackers)
     if loaded is not None:
         _restore(loaded, ctx, trainer, quick_eval)  # RNG last: after the trackers started
+    trainer.health.observe_eval(0, start_eval)  # the baseline of eval_regression
 
     def checkpoint(step: int) -> None:
         trackers.barrier()
@@ -243,14 +245,15 @@ def run_training(config: RunConfig, resume: str | None = None,
         prune(run_dir, config.output.keep_last, protected)
         log.info("checkpoint saved: %s", path)
 
+    if trainer.checkpoints_evals and loaded is None and start_eval:
+        checkpoint(0)  # the model GRPO starts from: a rollback may have to go back to it
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as writer:
             trainer.run(Tee(writer, trackers),
-                        lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint)
-    except HealthStop:
-        summary["health"] = [a.as_event() for a in trainer.health.alerts]
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        log.error(trainer.health.summary())
+                        lambda step, metrics: quick_eval(str(step), step, metrics), checkpoint,
+                        lambda step: _load_for_rollback(run_dir, main_dir, step, dist, ctx, trainer))
+    except HealthStop as stop:
+        _stopped(stop, trainer, summary, run_dir, sft_done)
         raise
     finally:
         trackers.close()
@@ -260,9 +263,12 @@ def run_training(config: RunConfig, resume: str | None = None,
 def _finish(ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval,
             summary: dict[str, Any], run_dir: Path, save: bool) -> dict[str, Any]:
     """The last eval, the final model (process 0 only: `save`), summary.json and report.md."""
+    end = quick_eval("end", trainer.step, trainer.last_metrics)
+    for alert in trainer.health.observe_eval(trainer.step, end, final=True):
+        log.warning(alert.message)
     summary["health"] = [a.as_event() for a in trainer.health.alerts]
+    summary["rollbacks"] = trainer.rollbacks
     log.info(trainer.health.summary())
-    quick_eval("end", trainer.step, trainer.last_metrics)
     quick_eval.close()
     summary["evals"] = quick_eval.scores
     summary["pareto"] = quick_eval.pareto.to_json()
@@ -275,6 +281,46 @@ def _finish(ctx: TrainContext, trainer: GRPOTrainer, quick_eval: QuickEval,
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     (run_dir / "report.md").write_text(build_report(run_dir), encoding="utf-8")
     return summary
+
+
+def _load_for_rollback(run_dir: Path, main_dir: Path, step: int, dist: Dist, ctx: TrainContext,
+                       trainer: GRPOTrainer) -> Path | None:
+    """Load the weights and optimizer state of step `step`'s checkpoint; None if it is not
+    there intact."""
+    name = f"{CHECKPOINTS}/step-{step:07d}"
+    if not verify(run_dir / name).ok:
+        return None
+    target = load_checkpoint(run_dir / name,
+                             shared_from=None if dist.is_main else main_dir / name)
+    load_weights(ctx.policy, target.weights)
+    trainer.optimizer.load_state_dict(target.optimizer)
+    return target.path
+
+
+def _stopped(stop: HealthStop, trainer: GRPOTrainer, summary: dict[str, Any], run_dir: Path,
+             sft_done: bool) -> None:
+    """summary.json of a run a `stop` check ended, naming the best checkpoint to go back to."""
+    summary["health"] = [a.as_event() for a in trainer.health.alerts]
+    summary["rollbacks"] = trainer.rollbacks
+    best = next((a.best_step for a in stop.alerts if a.best_step is not None), None)
+    if best is not None:
+        summary["best_checkpoint"] = best_checkpoint(run_dir, best, sft_done, trainer.config)
+        log.error("best checkpoint on the Pareto front: %s", summary["best_checkpoint"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    log.error(trainer.health.summary())
+
+
+def best_checkpoint(run_dir: Path, step: int, sft_done: bool, config: RunConfig) -> str:
+    """Where the weights of evaluated step `step` are: its checkpoint, or for step 0 the model
+    GRPO started from."""
+    path = run_dir / CHECKPOINTS / f"step-{step:07d}"
+    if step > 0 and verify(path).ok:
+        return f"step {step}: {path}"
+    if step == 0:
+        start = run_dir / "sft" / "merged" if sft_done else config.model.name_or_path
+        return f"step 0 (before GRPO): {path if verify(path).ok else start}"
+    return (f"step {step}: no checkpoint was saved there (save at every eval with "
+            "output.save_every = eval.every_steps, or health.eval_regression.action: rollback)")
 
 
 def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
