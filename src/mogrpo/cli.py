@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume even though settings that change the training math differ from the "
         "checkpoint's (the diff is logged and recorded in config_changes.jsonl)",
     )
+    train.add_argument("--strict", action="store_true",
+                       help="refuse data values mogrpo would repair (answer `b` read as `B`, "
+                       "stripped whitespace) instead of warning: every task's `strict: true`")
 
     checkpoints = sub.add_parser(
         "checkpoints", help="list a run's checkpoints with step, scores and integrity",
@@ -121,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     report.add_parser(sub)
 
+    from mogrpo.data import check as data_check
+
+    data_check.add_parser(sub)
+
     predict = sub.add_parser(
         "predict", help="answer a multiple-choice file and write a submission CSV",
         description="Greedy answers of a model (a model directory, a run directory — its final "
@@ -139,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--task", default=None, help="the config's task whose prompt settings "
                          "to use (needed when it has several)")
     predict.add_argument("--id-column", default=None,
-                         help="column with each row's id (default: `id`, else the row number)")
+                         help="column with each row's id (default: `id`, else the row's line "
+                         "number in the file, as in error messages: a header is line 1)")
     predict.add_argument("--answer-column", default="answer",
                          help="header of the answer column (default answer)")
     predict.add_argument("--fallback", default=None, metavar="LETTER",
@@ -148,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="completion budget (default: the config's, else 64)")
     predict.add_argument("--batch-size", type=int, default=16, help="rows per generate call")
     predict.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    predict.add_argument("--strict", action="store_true",
+                         help="refuse values mogrpo would repair (answer `b` read as `B`, "
+                         "stripped whitespace) instead of warning")
     _add_set(predict)
 
     config = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
@@ -171,6 +182,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mogrpo.train.run import run_training
 
     config, _ = load_config(args.config, args.overrides)
+    for task in config.tasks.values() if args.strict else ():
+        task.strict = True
     setup_logging(config.logging.level)
     run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)
     return 0
@@ -244,6 +257,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from mogrpo.data.check import cmd_data as run
+
+    return run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from mogrpo import serve
 
@@ -274,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
                 "doctor": cmd_doctor, "serve": cmd_serve, "memory": cmd_memory,
-                "predict": cmd_predict, "report": cmd_report}
+                "predict": cmd_predict, "report": cmd_report, "data": cmd_data}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command

@@ -15,9 +15,11 @@ from typing import Any
 
 from mogrpo.algo.schedules import WeightSchedule, from_config
 from mogrpo.config import RewardConfig, RunConfig, TaskConfig
+from mogrpo.data.problems import ProblemLog
 from mogrpo.data.readers import Record, read_records
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
+from mogrpo.errors import DataError
 from mogrpo.rewards.base import resolve_reward
 from mogrpo.rewards.judge import JudgeReward
 
@@ -44,19 +46,32 @@ class Task:
         return [schedule.at(step) for schedule in self.weight_schedules]
 
 
-def _records(spec: str, seed: int) -> list[Record]:
+def _records(spec: str, seed: int, problems: ProblemLog) -> list[Record]:
     if spec.startswith(BUILTIN_PREFIX):
         return [Record(spec, i + 1, row) for i, row in enumerate(builtin_rows(spec, seed))]
-    return read_records(spec)
+    return read_records(spec, problems)
 
 
 def _examples(spec: str, task: TaskConfig, seed: int) -> list[Example]:
+    """The file's examples; every problem of the file is raised at once (one DataError)."""
+    problems = ProblemLog(strict=task.strict)
     return parse_examples(
-        _records(spec, seed),
+        _records(spec, seed, problems),
         format=task.format,
         prompt_template=task.prompt_template,
         drop_incomplete=task.drop_incomplete,
+        problems=problems,
     )
+
+
+def _split(name: str, tc: TaskConfig, seed: int) -> tuple[list[Example], list[Example]]:
+    """A task's train and held-out examples."""
+    examples = _examples(tc.data, tc, seed)
+    if tc.eval_data is not None:
+        return examples, _examples(tc.eval_data, tc, seed + 1)
+    if tc.eval_size:
+        return split_examples(examples, tc.eval_size, seed)
+    return examples, []
 
 
 def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
@@ -78,21 +93,21 @@ def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
 
 def load_tasks(config: RunConfig) -> list[Task]:
     """Read every task's data and resolve its reward functions (no model needed)."""
-    tasks = []
+    tasks, problems = [], []
     for name, tc in config.tasks.items():
-        examples = _examples(tc.data, tc, config.seed)
-        if tc.eval_data is not None:
-            train, held_out = examples, _examples(tc.eval_data, tc, config.seed + 1)
-        elif tc.eval_size:
-            train, held_out = split_examples(examples, tc.eval_size, config.seed)
-        else:
-            train, held_out = examples, []
+        try:  # every data file's problems, not only the first file's
+            train, held_out = _split(name, tc, config.seed)
+        except DataError as err:
+            problems.append(str(err))
+            continue
         fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         tasks.append(Task(name, tc, train, held_out, fns, schedules))
         log.info("task %s: %d train / %d eval prompts, rewards %s",
                  name, len(train), len(held_out), ", ".join(label for label, _, _ in fns))
+    if problems:
+        raise DataError("\n".join(problems))
     return tasks
 
 
