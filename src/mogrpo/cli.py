@@ -6,10 +6,11 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from mogrpo import __version__
-from mogrpo.errors import MogrpoError
+from mogrpo.errors import ExitCode, MogrpoError
 
 EPILOG = """examples:
   mogrpo demo                                   build a tiny model and train it end to end
@@ -18,6 +19,9 @@ EPILOG = """examples:
   MOGRPO_TRAIN__LEARNING_RATE=5e-6 mogrpo train run.yaml
 
 priority of values: --set > environment (MOGRPO_SECTION__KEY) > config file > defaults
+
+exit status: 0 ok; 1 internal error (a bug: traceback printed); 2 usage, config or data error;
+3 a check found a problem (doctor, data check, checkpoints, memory, a health stop); 130 Ctrl-C
 """
 
 
@@ -208,7 +212,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         print(f"{status.path.name}  step {status.step:>6}  {status.status:<10}  {scores}")
         for problem in status.problems:
             print(f"    {problem}")
-    return 0
+    return 0 if all(s.ok for s in found) else ExitCode.FOUND_PROBLEM
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -224,8 +228,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
     config = load_config(args.config, args.overrides)[0] if args.config else None
-    print(doctor_report(path, config))
-    return 0
+    problems: list[str] = []
+    print(doctor_report(path, config, problems))
+    for problem in problems:
+        print(f"problem: {problem}")
+    return ExitCode.FOUND_PROBLEM if problems else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -299,21 +306,29 @@ def main(argv: list[str] | None = None) -> int:
         command = args.config_command
     else:
         command = args.command
-    if command not in handlers:
-        parser.parse_args([*(sys.argv[1:] if argv is None else argv), "--help"])
-        return 2
+    if command not in handlers:  # nothing to do: the help, and a usage error's status
+        try:
+            parser.parse_args([*(sys.argv[1:] if argv is None else argv), "--help"])
+        except SystemExit:
+            pass
+        return ExitCode.USAGE
     setup_logging()
     try:
         return handlers[command](args)
     except MogrpoError as err:
         print(f"error: {err}", file=sys.stderr)
-        return getattr(err, "exit_code", 2)
+        return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `mogrpo config fields | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0
+    except Exception:  # noqa: BLE001 - a bug: keep the traceback for the report, exit 1
+        traceback.print_exc()
+        print("internal error: this is a bug in mogrpo or in code it called (a reward "
+              "function?); the traceback above says where", file=sys.stderr)
+        return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":

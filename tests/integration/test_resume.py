@@ -108,7 +108,7 @@ def test_corrupt_and_truncated_checkpoints_fall_back(tmp_path, tiny_model, capsy
 
     assert find_resume(run, "auto").name == "step-0000001"
     capsys.readouterr()
-    assert main(["checkpoints", str(run)]) == 0
+    assert main(["checkpoints", str(run)]) == 3  # listed, and the damage is the exit status
     listing = capsys.readouterr().out
     assert "step-0000003  step      3  corrupt" in listing
     assert "step-0000001  step      1  ok" in listing

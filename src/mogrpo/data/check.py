@@ -19,10 +19,7 @@ from typing import Any
 from mogrpo.data.problems import Problem, ProblemLog
 from mogrpo.data.readers import read_records
 from mogrpo.data.schema import Example, collect_examples, detect_format
-from mogrpo.errors import ConfigError, DataError
-
-FOUND_A_PROBLEM = 3
-"""Exit status of a check that ran and found a problem (as `mogrpo doctor`)."""
+from mogrpo.errors import ConfigError, DataError, ExitCode
 
 
 @dataclass
@@ -208,4 +205,4 @@ def cmd_data(args: argparse.Namespace) -> int:
             found = True
             print("  " + check.problems.error_text(args.limit).replace("\n", "\n  "))
     print("problems found" if found else "ok: no problem found")
-    return FOUND_A_PROBLEM if found else 0
+    return ExitCode.FOUND_PROBLEM if found else ExitCode.OK

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mogrpo.errors import MogrpoError
+from mogrpo.errors import ExitCode, MogrpoError
 from mogrpo.health.config import HealthConfig
 
 
@@ -53,7 +53,7 @@ class Alert:
 class HealthStop(MogrpoError):
     """A `stop` check fired; raised by the trainer after saving its checkpoint and metrics."""
 
-    exit_code = 3
+    exit_code = ExitCode.FOUND_PROBLEM
 
     def __init__(self, alerts: list[Alert]) -> None:
         self.alerts = alerts
