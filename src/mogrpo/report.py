@@ -154,7 +154,10 @@ def _signals(run: RunFiles, window: int) -> list[str]:
 
 def _events(run: RunFiles) -> list[str]:
     alerts = [e for e in run.events if e.get("event") == "health_alert"]
-    lines = [f"- {a.get('message')}" for a in alerts] or ["No health alert."]
+    watched = (run.config.get("health") or {}).get("enabled", True)
+    quiet = "No health alert." if watched else \
+        "Health checks were off (`health.enabled: false`): no step was watched."
+    lines = [f"- {a.get('message')}" for a in alerts] or [quiet]
     changes = run.summary.get("beta_changes") or []
     if changes:
         lines += ["", f"{len(changes)} β change(s); the last: `{changes[-1]}`"]

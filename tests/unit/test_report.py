@@ -87,3 +87,12 @@ def test_a_run_stopped_by_a_health_check(run_dir):
 def test_not_a_run_directory(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "has no metrics.jsonl; give a run directory" in capsys.readouterr().err
+
+
+def test_health_checks_off_are_not_reported_as_healthy(run_dir):
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**CONFIG, "health": {"enabled": False}}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(step(n, 0.1, 0.01))
+                                                     for n in (1, 2)) + "\n")
+    text = build_report(run_dir)
+    assert "Health checks were off (`health.enabled: false`): no step was watched." in text
+    assert "No health alert." not in text

@@ -72,6 +72,11 @@ def _series(metrics: Mapping[str, Any], suffix: str) -> list[str]:
                   and k.count("/") == suffix.count("/") + 2)
 
 
+CHECKS = ("not_learning", "kl_explosion", "length_collapse", "truncation", "no_signal",
+          "non_finite", "grad_spike", "sampling_ignored", "reward_stalled")
+"""Every check, in the order they run on a step."""
+
+
 def _task(key: str) -> str:
     return key.split("/")[1] if key.startswith("task/") else "all tasks"
 
@@ -103,14 +108,9 @@ class HealthMonitor:
         ctx = StepContext(**context) if isinstance(context, Mapping) else context or StepContext()
         self._steps += 1
         fired: list[Alert] = []
-        checks: list[tuple[str, Callable[..., None]]] = [
-            ("not_learning", self._not_learning), ("kl_explosion", self._kl_explosion),
-            ("length_collapse", self._length_collapse), ("truncation", self._truncation),
-            ("no_signal", self._no_signal), ("non_finite", self._non_finite),
-            ("grad_spike", self._grad_spike), ("sampling_ignored", self._sampling_ignored),
-            ("reward_stalled", self._reward_stalled)]
-        for name, check in checks:
+        for name in CHECKS:
             if getattr(self.config, name).enabled:
+                check: Callable[..., None] = getattr(self, f"_{name}")
                 check(step, metrics, ctx, fired)
         self.alerts.extend(fired)
         self._stop = self._stop or any(a.action == "stop" for a in fired)
@@ -329,10 +329,17 @@ class HealthMonitor:
     # ---------------------------------------------------------------- reporting and state
 
     def summary(self) -> str:
-        """Every alert of the run, one per line, for the end-of-run report."""
+        """Every alert of the run, one per line, for the end-of-run report; says so when the
+        checks were off (no alert then means nothing was watched, not a healthy run)."""
+        if not self.config.enabled:
+            return "health: checks were off (health.enabled: false); no step was watched"
+        off = [name for name in CHECKS if not getattr(self.config, name).enabled]
+        if len(off) == len(CHECKS):
+            return "health: every check was off (health.CHECK.enabled: false); no step was watched"
+        unwatched = f" (checks off: {', '.join(off)})" if off else ""
         if not self.alerts:
-            return f"health: no alerts in {self._steps} steps"
-        lines = [f"health: {len(self.alerts)} alert(s) in {self._steps} steps"]
+            return f"health: no alerts in {self._steps} steps{unwatched}"
+        lines = [f"health: {len(self.alerts)} alert(s) in {self._steps} steps{unwatched}"]
         lines += [f"  step {a.step} {a.check} ({a.action}): {a.message}" for a in self.alerts]
         return "\n".join(lines)
 
