@@ -104,7 +104,7 @@ def load_tasks(config: RunConfig) -> list[Task]:
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         tasks.append(Task(name, tc, train, held_out, fns, schedules))
-        log.info("task %s: %d train / %d eval prompts, rewards %s",
+        log.debug("task %s: %d train / %d eval prompts, rewards %s",
                  name, len(train), len(held_out), ", ".join(label for label, _, _ in fns))
     if problems:
         raise DataError("\n".join(problems))
