@@ -183,12 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from mogrpo.config import load_config
-    from mogrpo.train.run import run_training
 
-    config, _ = load_config(args.config, args.overrides)
+    config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
     for task in config.tasks.values() if args.strict else ():
         task.strict = True
     setup_logging(config.logging.level)
+    from mogrpo.train.run import run_training
+
     run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)
     return 0
 
@@ -218,7 +219,6 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from mogrpo.config import load_config
     from mogrpo.errors import MogrpoError
-    from mogrpo.resume import doctor_report
 
     if args.target == "env":
         from mogrpo.doctor_env import cmd_doctor_env
@@ -228,6 +228,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
     config = load_config(args.config, args.overrides)[0] if args.config else None
+    from mogrpo.resume import doctor_report  # imports torch: after the config is validated
+
     problems: list[str] = []
     print(doctor_report(path, config, problems))
     for problem in problems:
@@ -237,10 +239,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from mogrpo.demo import format_summary, prepare_demo
-    from mogrpo.train.run import run_training
 
     config = prepare_demo(args.out, args.seed, args.overrides)
     setup_logging(config.logging.level)
+    from mogrpo.train.run import run_training
+
     summary = run_training(config)
     print(format_summary(summary))
     return 0

@@ -19,17 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm.auto import tqdm
-
 from mogrpo.config import TaskConfig, load_config
 from mogrpo.data.problems import ProblemLog
 from mogrpo.data.readers import read_records
 from mogrpo.data.schema import Example, parse_examples
 from mogrpo.errors import ConfigError, DataError
-from mogrpo.modeling.chat import render_prompt
-from mogrpo.rewards.extract import extract_choice
-from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +123,12 @@ def predict(model: Any, tokenizer: Any, examples: list[Example], ids: list[str],
             settings: PromptSettings, *, batch_size: int = 16, fallback: str = "",
             progress: bool = True) -> list[Prediction]:
     """Greedy completions for every example, the letter of each read by the extractor."""
+    from tqdm.auto import tqdm
+
+    from mogrpo.modeling.chat import render_prompt
+    from mogrpo.rewards.extract import extract_choice
+    from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+
     greedy = SamplingSettings(max_new_tokens=settings.max_new_tokens, greedy=True)
     out: list[Prediction] = []
     show = progress and sys.stderr.isatty()
@@ -208,8 +208,8 @@ def summarize(predictions: list[Prediction], *, fallback: str = "",
 
 
 def run(args: argparse.Namespace) -> int:
-    """The `mogrpo predict` command."""
-    from mogrpo.modeling.load import load_policy, resolve_model_dir
+    """The `mogrpo predict` command: arguments, config and data are checked before torch and
+    the model load, so their errors come in a second."""
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
@@ -230,6 +230,10 @@ def run(args: argparse.Namespace) -> int:
 
     examples = load_rows(args.data, settings)  # data errors before a model loads
     ids = row_ids(examples, args.id_column)
+    import torch
+
+    from mogrpo.modeling.load import load_policy, resolve_model_dir
+
     model, tokenizer = load_policy(resolve_model_dir(args.model), dtype=args.dtype)
     if settings.max_prompt_length is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096

@@ -75,9 +75,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """The `mogrpo memory` command: print the table and, when over budget, the ladder."""
+    config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
     import torch
 
-    config, _ = load_config(args.config, args.overrides)
     model_config = load_model_config(config.model.name_or_path,
                                      trust_remote_code=config.model.trust_remote_code)
     gpu = None if args.gpu_memory is None else parse_size(args.gpu_memory)
