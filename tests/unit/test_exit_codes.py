@@ -115,3 +115,9 @@ def test_argparse_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train"])  # the config argument is missing
     assert exit_.value.code == 2
+
+
+def test_serve_usage_error_exits_2_and_doctor_env_exits_0(capsys):
+    assert main(["serve", "some/model", "--port", "70000"]) == 2
+    assert "need 0 <= port <= 65535" in capsys.readouterr().err
+    assert main(["doctor", "env", "--json"]) == 0  # informational: warnings do not change it
