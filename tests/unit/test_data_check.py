@@ -128,3 +128,15 @@ def test_train_strict_refuses_repaired_values(tmp_path):
     with pytest.raises(DataError, match=r"row 6, column 'correct_answer' = ' b': read as 'B' "
                                         r"\(leading or trailing whitespace stripped; lower-case"):
         load_tasks(config)
+
+
+def test_a_config_counts_prompts_longer_than_the_prompt_budget(tmp_path, capsys, tiny_model_dir):
+    data = write(tmp_path / "zh.tsv", GOOD)
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "rollout": {"max_seq_length": 64, "max_prompt_length": 16, "max_completion_length": 48},
+        "tasks": {"a": {"data": str(data), "rewards": ["mc_correct"]}}}))
+    assert main(["data", "check", str(config), "--tokenizer", str(tiny_model_dir)]) == 0
+    assert "  4 prompt(s) longer than rollout.max_prompt_length 16: they are cut from the left" \
+        in capsys.readouterr().out

@@ -64,11 +64,10 @@ def check_file(path: str | Path, *, task: str | None = None, format: str = "auto
     return result
 
 
-def _tasks_of(config_path: Path, overrides: list[str], strict: bool) -> list[FileCheck]:
-    from mogrpo.config import load_config
+def _tasks_of(config: Any, config_path: Path, strict: bool) -> list[FileCheck]:
+    """Every task's data and eval_data files of a run config, checked with its settings."""
     from mogrpo.data.synthetic import BUILTIN_PREFIX
 
-    config, _ = load_config(config_path, overrides)
     checks = []
     for name, tc in config.tasks.items():
         for spec in (tc.data, tc.eval_data):
@@ -180,22 +179,22 @@ def cmd_data(args: argparse.Namespace) -> int:
     path: Path = args.file
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a data file or a run config")
-    is_config = path.suffix.lower() in (".yaml", ".yml")
-    if is_config:
-        checks = _tasks_of(path, args.overrides, args.strict)
+    limit = None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        from mogrpo.config import load_config
+
+        config = load_config(path, args.overrides)[0]
+        checks = _tasks_of(config, path, args.strict)
+        limit = config.rollout.prompt_length
     else:
         checks = [check_file(path, format=args.format, prompt_template=args.template,
                              drop_incomplete=args.drop_incomplete,
                              require_answer=not args.no_answer, strict=args.strict)]
-    tokenizer, limit = None, None
+    tokenizer = None
     if args.tokenizer is not None:
         from mogrpo.modeling.load import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
-    if is_config:
-        from mogrpo.config import load_config
-
-        limit = load_config(path, args.overrides)[0].rollout.prompt_length
     found = False
     for check in checks:
         print("\n".join(summarize(check, tokenizer, limit)))
