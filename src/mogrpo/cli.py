@@ -6,10 +6,11 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from mogrpo import __version__
-from mogrpo.errors import MogrpoError
+from mogrpo.errors import ExitCode, MogrpoError
 
 EPILOG = """examples:
   mogrpo demo                                   build a tiny model and train it end to end
@@ -18,6 +19,9 @@ EPILOG = """examples:
   MOGRPO_TRAIN__LEARNING_RATE=5e-6 mogrpo train run.yaml
 
 priority of values: --set > environment (MOGRPO_SECTION__KEY) > config file > defaults
+
+exit status: 0 ok; 1 internal error (a bug: traceback printed); 2 usage, config or data error;
+3 a check found a problem (doctor, data check, checkpoints, memory, a health stop); 130 Ctrl-C
 """
 
 
@@ -78,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume even though settings that change the training math differ from the "
         "checkpoint's (the diff is logged and recorded in config_changes.jsonl)",
     )
+    train.add_argument("--strict", action="store_true",
+                       help="refuse data values mogrpo would repair (answer `b` read as `B`, "
+                       "stripped whitespace) instead of warning: every task's `strict: true`")
 
     checkpoints = sub.add_parser(
         "checkpoints", help="list a run's checkpoints with step, scores and integrity",
@@ -121,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     report.add_parser(sub)
 
+    from mogrpo.data import check as data_check
+
+    data_check.add_parser(sub)
+
     predict = sub.add_parser(
         "predict", help="answer a multiple-choice file and write a submission CSV",
         description="Greedy answers of a model (a model directory, a run directory — its final "
@@ -139,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--task", default=None, help="the config's task whose prompt settings "
                          "to use (needed when it has several)")
     predict.add_argument("--id-column", default=None,
-                         help="column with each row's id (default: `id`, else the row number)")
+                         help="column with each row's id (default: `id`, else the row's line "
+                         "number in the file, as in error messages: a header is line 1)")
     predict.add_argument("--answer-column", default="answer",
                          help="header of the answer column (default answer)")
     predict.add_argument("--fallback", default=None, metavar="LETTER",
@@ -148,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="completion budget (default: the config's, else 64)")
     predict.add_argument("--batch-size", type=int, default=16, help="rows per generate call")
     predict.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    predict.add_argument("--strict", action="store_true",
+                         help="refuse values mogrpo would repair (answer `b` read as `B`, "
+                         "stripped whitespace) instead of warning")
     _add_set(predict)
 
     config = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
@@ -168,10 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from mogrpo.config import load_config
+
+    config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
+    for task in config.tasks.values() if args.strict else ():
+        task.strict = True
+    setup_logging(config.logging.level)
     from mogrpo.train.run import run_training
 
-    config, _ = load_config(args.config, args.overrides)
-    setup_logging(config.logging.level)
     run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)
     return 0
 
@@ -195,13 +213,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         print(f"{status.path.name}  step {status.step:>6}  {status.status:<10}  {scores}")
         for problem in status.problems:
             print(f"    {problem}")
-    return 0
+    return 0 if all(s.ok for s in found) else ExitCode.FOUND_PROBLEM
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from mogrpo.config import load_config
     from mogrpo.errors import MogrpoError
-    from mogrpo.resume import doctor_report
 
     if args.target == "env":
         from mogrpo.doctor_env import cmd_doctor_env
@@ -211,16 +228,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
     config = load_config(args.config, args.overrides)[0] if args.config else None
-    print(doctor_report(path, config))
-    return 0
+    from mogrpo.resume import doctor_report  # imports torch: after the config is validated
+
+    problems: list[str] = []
+    print(doctor_report(path, config, problems))
+    for problem in problems:
+        print(f"problem: {problem}")
+    return ExitCode.FOUND_PROBLEM if problems else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from mogrpo.demo import format_summary, prepare_demo
-    from mogrpo.train.run import run_training
 
     config = prepare_demo(args.out, args.seed, args.overrides)
     setup_logging(config.logging.level)
+    from mogrpo.train.run import run_training
+
     summary = run_training(config)
     print(format_summary(summary))
     return 0
@@ -240,6 +263,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from mogrpo.report import cmd_report as run
+
+    return run(args)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from mogrpo.data.check import cmd_data as run
 
     return run(args)
 
@@ -274,27 +303,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "demo": cmd_demo, "checkpoints": cmd_checkpoints,
                 "doctor": cmd_doctor, "serve": cmd_serve, "memory": cmd_memory,
-                "predict": cmd_predict, "report": cmd_report}
+                "predict": cmd_predict, "report": cmd_report, "data": cmd_data}
     if args.command == "config":
         handlers = {"show": cmd_config_show, "fields": cmd_config_fields}
         command = args.config_command
     else:
         command = args.command
-    if command not in handlers:
-        parser.parse_args([*(sys.argv[1:] if argv is None else argv), "--help"])
-        return 2
+    if command not in handlers:  # nothing to do: the help, and a usage error's status
+        try:
+            parser.parse_args([*(sys.argv[1:] if argv is None else argv), "--help"])
+        except SystemExit:
+            pass
+        return ExitCode.USAGE
     setup_logging()
     try:
         return handlers[command](args)
     except MogrpoError as err:
         print(f"error: {err}", file=sys.stderr)
-        return getattr(err, "exit_code", 2)
+        return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `mogrpo config fields | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0
+    except Exception:  # noqa: BLE001 - a bug: keep the traceback for the report, exit 1
+        traceback.print_exc()
+        print("internal error: this is a bug in mogrpo or in code it called (a reward "
+              "function?); the traceback above says where", file=sys.stderr)
+        return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":

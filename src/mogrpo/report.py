@@ -168,7 +168,10 @@ def _events(run: RunFiles) -> list[str]:
     # summary.json holds every alert (the last eval's too); a run still going has only the log
     alerts = run.summary.get("health") or [e for e in run.events
                                            if e.get("event") == "health_alert"]
-    lines = [line for a in alerts for line in _alert(a)] or ["No health alert."]
+    watched = (run.config.get("health") or {}).get("enabled", True)
+    quiet = "No health alert." if watched else \
+        "Health checks were off (`health.enabled: false`): no step was watched."
+    lines = [line for a in alerts for line in _alert(a)] or [quiet]
     rollbacks = run.summary.get("rollbacks") or [e for e in run.events
                                                  if e.get("event") == "health_rollback"]
     for r in rollbacks:
@@ -203,8 +206,24 @@ def _speed(run: RunFiles) -> list[str]:
     return lines
 
 
-def build_report(run_dir: str | Path, window: int = 10) -> str:
-    """The Markdown report of the run in `run_dir`."""
+def _charts(charts: dict[str, str] | None) -> list[str]:
+    """Image links to the drawn charts, or the one line that says how to get them."""
+    from mogrpo.report_charts import CHARTS, INSTALL_HINT, TITLES, available
+
+    if charts is None:
+        if not available():
+            return [f"Charts: install matplotlib (`{INSTALL_HINT}`), then `mogrpo report "
+                    "RUN_DIR` draws them beside this file."]
+        return ["Charts: `mogrpo report RUN_DIR` draws them beside this file."]
+    if not charts:
+        return ["No data to chart yet."]
+    return [f"![{TITLES[name]}]({charts[name]})\n" for name in CHARTS if name in charts]
+
+
+def build_report(run_dir: str | Path, window: int = 10,
+                 charts: dict[str, str] | None = None) -> str:
+    """The Markdown report of the run in `run_dir`; `charts` maps drawn charts to their paths
+    relative to the report (None: a line saying how to draw them)."""
     run = RunFiles(Path(run_dir))
     sections = [
         (f"# Run report: {run.dir.name}", [_status(run)]),
@@ -213,29 +232,53 @@ def build_report(run_dir: str | Path, window: int = 10) -> str:
         ("## Training signals", _signals(run, window) if run.steps else ["No steps yet."]),
         ("## Health, KL control, curriculum", _events(run)),
         ("## Speed and memory", _speed(run)),
+        ("## Charts", _charts(charts)),
     ]
-    return "\n\n".join(f"{title}\n\n" + "\n".join(body) for title, body in sections) + "\n"
+    return "\n\n".join(f"{title}\n\n" + "\n".join(body).rstrip()
+                       for title, body in sections) + "\n"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `report RUN_DIR [--out FILE] [--window N]`."""
+    """Add `report RUN_DIR [--out FILE] [--html] [--no-charts] [--window N]`."""
     parser = subparsers.add_parser(
-        "report", help="a Markdown report of a run: evals, rewards, KL, alerts, speed",
+        "report", help="a Markdown report of a run, with charts: evals, rewards, KL, alerts",
         description="Summarise a run directory (finished, running or crashed) as Markdown: "
         "setup, greedy evals and the Pareto front, reward/KL/β per task at the start and the "
-        "end, health alerts, β and curriculum changes, speed and memory.")
+        "end, health alerts, β and curriculum changes, speed and memory. Writes it to "
+        "RUN_DIR/report.md (or --out) and prints it; with matplotlib (pip install "
+        "'mogrpo[charts]') also draws charts/*.png beside it: reward per task and objective, "
+        "KL per task with its band, β, completion length and truncation, eval scores, the "
+        "Pareto front.")
     parser.add_argument("run_dir", type=Path, help="the run directory (output.dir)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the report (default RUN_DIR/report.md)")
+    parser.add_argument("--html", action="store_true", help="also write report.html beside "
+                        "the report: one self-contained page, charts inlined")
+    parser.add_argument("--no-charts", action="store_true", help="do not draw charts")
     parser.add_argument("--window", type=int, default=10,
                         help="steps averaged at the start and the end (default 10)")
     return parser
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from mogrpo import report_charts
+
     if args.window < 1:
         raise ReportError(f"--window {args.window} must be >= 1")
-    text = build_report(args.run_dir, args.window)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
+    out: Path = args.out or args.run_dir / "report.md"
+    run = RunFiles(args.run_dir)  # not a run directory: an error before anything is written
+    charts = None
+    if not args.no_charts and report_charts.available():
+        paths = report_charts.write_charts(run, out.parent / "charts")
+        charts = {name: path.relative_to(out.parent).as_posix() for name, path in paths.items()}
+    text = build_report(args.run_dir, args.window, charts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
     print(text, end="")
+    if args.html:
+        from mogrpo.report_html import write_html
+
+        page = write_html(text, out.parent, out.with_suffix(".html"),
+                          f"Run report: {run.dir.name}")
+        print(f"html: {page}")
     return 0

@@ -78,7 +78,7 @@ def test_hub_form_goes_through_load_dataset(tmp_path):
 def test_bad_rows_are_reported_with_their_row_number(tmp_path):
     datasets.Dataset.from_dict({"prompt": ["ok", "fine", "  ", "ok"]}).to_parquet(
         str(tmp_path / "d.parquet"))
-    with pytest.raises(DataError, match=r"d\.parquet \(train\) row 3: column 'prompt' is empty"):
+    with pytest.raises(DataError, match=r"d\.parquet \(train\) row 3, column 'prompt' = '  ': empty"):
         tasks(tmp_path, str(tmp_path / "d.parquet"))
     (task,) = tasks(tmp_path, str(tmp_path / "d.parquet"), drop_incomplete=True)
     assert len(task.train) == 3

@@ -17,6 +17,7 @@ from mogrpo.health import (
     HealthStop,
     StepContext,
 )
+from mogrpo.health.monitor import CHECKS
 
 TASKS = ("fairness", "hallucination")
 CTX = StepContext(temperature=0.9, max_completion_length=96)
@@ -411,3 +412,15 @@ def test_not_learning_on_a_tiny_run_whose_optimizer_never_steps(tmp_path, tiny_m
         assert list(fired) == [3] and monitor.should_stop
         assert "not_learning at step 3: KL 0.0 and update norm 0.0" in fired[3][0].message
         assert metrics["policy/update_norm"] == 0.0
+
+
+def test_summary_says_when_checks_were_off():
+    off = HealthMonitor(HealthConfig(enabled=False))
+    stream(off, 20)
+    assert off.summary() == "health: checks were off (health.enabled: false); no step was watched"
+    some = HealthMonitor(HealthConfig(truncation={"enabled": False}, grad_spike={"enabled": False}))
+    stream(some, 20)
+    assert some.summary() == "health: no alerts in 20 steps (checks off: truncation, grad_spike)"
+    every = HealthMonitor(HealthConfig(**{name: {"enabled": False} for name in CHECKS}))
+    stream(every, 20)
+    assert every.summary().startswith("health: every check was off")

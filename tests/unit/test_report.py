@@ -114,3 +114,12 @@ def test_each_alert_shows_its_step_evidence_causes_and_fix(run_dir):
     # a run still going: the alerts of metrics.jsonl (an old one without parts, as it was)
     (run_dir / "summary.json").unlink()
     assert "- [health] truncation at step 2: 25% of completions ..." in build_report(run_dir)
+
+
+def test_health_checks_off_are_not_reported_as_healthy(run_dir):
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**CONFIG, "health": {"enabled": False}}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(step(n, 0.1, 0.01))
+                                                     for n in (1, 2)) + "\n")
+    text = build_report(run_dir)
+    assert "Health checks were off (`health.enabled: false`): no step was watched." in text
+    assert "No health alert." not in text

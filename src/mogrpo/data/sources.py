@@ -19,6 +19,7 @@ from mogrpo.data.hf import (
     rename,
     stream_records,
 )
+from mogrpo.data.problems import ProblemLog
 from mogrpo.data.readers import SUPPORTED_EXTENSIONS, Record, read_records
 from mogrpo.data.schema import Example, detect_format, parse_examples, parse_row
 from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
@@ -32,16 +33,19 @@ def is_streaming(spec: Any) -> bool:
     return not isinstance(spec, str) and bool(getattr(spec, "streaming", False))
 
 
-def load_records(spec: Any, seed: int) -> list[Record]:
-    """Every row of `spec` (a path or `builtin:NAME` string, or a `DataSource` section)."""
+def load_records(spec: Any, seed: int, problems: ProblemLog | None = None) -> list[Record]:
+    """Every row of `spec` (a path or `builtin:NAME` string, or a `DataSource` section); a
+    text file's bad rows go to `problems` when given (else they raise, all at once)."""
     if isinstance(spec, str):
         if spec.startswith(BUILTIN_PREFIX):
             return [Record(spec, i + 1, row) for i, row in enumerate(builtin_rows(spec, seed))]
-        return read_hf_records(HFSource(path=spec)) if is_dataset_path(spec) else read_records(spec)
+        if is_dataset_path(spec):
+            return read_hf_records(HFSource(path=spec))
+        return read_records(spec, problems)
     source = HFSource.from_config(spec)
     if source.path and Path(source.path).suffix.lower() in SUPPORTED_EXTENSIONS:
         # a text file read by mogrpo keeps its line numbers; the mapping renames its columns
-        records = read_records(source.path)
+        records = read_records(source.path, problems)
         check_columns(source, list(dict.fromkeys(k for r in records for k in r.data)))
         return [Record(r.source, r.row, rename(r.data, source.columns)) for r in records]
     return read_hf_records(source)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mogrpo.errors import MogrpoError
+from mogrpo.errors import ExitCode, MogrpoError
 from mogrpo.health.config import HealthConfig
 from mogrpo.health.regression import EvalRegression, Finding, RewardRegression, RunFacts
 
@@ -71,7 +71,7 @@ class Alert:
 class HealthStop(MogrpoError):
     """A `stop` check fired; raised by the trainer after saving its checkpoint and metrics."""
 
-    exit_code = 3
+    exit_code = ExitCode.FOUND_PROBLEM
 
     def __init__(self, alerts: list[Alert]) -> None:
         self.alerts = alerts
@@ -97,6 +97,12 @@ def _series(metrics: Mapping[str, Any], suffix: str) -> list[str]:
     """Per-task keys `task/NAME/<suffix>`, sorted."""
     return sorted(k for k in metrics if k.startswith("task/") and k.endswith("/" + suffix)
                   and k.count("/") == suffix.count("/") + 2)
+
+
+CHECKS = ("not_learning", "reward_regression", "eval_regression", "kl_explosion",
+          "length_collapse", "truncation", "no_signal", "non_finite", "grad_spike",
+          "sampling_ignored", "reward_stalled")
+"""Every check, in the order they run on a step."""
 
 
 def _task(key: str) -> str:
@@ -140,15 +146,9 @@ class HealthMonitor:
         ctx = StepContext(**context) if isinstance(context, Mapping) else context or StepContext()
         self._steps += 1
         fired: list[Alert] = []
-        checks: list[tuple[str, Callable[..., None]]] = [
-            ("not_learning", self._not_learning), ("reward_regression", self._reward_regression),
-            ("eval_regression", self._eval_regression), ("kl_explosion", self._kl_explosion),
-            ("length_collapse", self._length_collapse), ("truncation", self._truncation),
-            ("no_signal", self._no_signal), ("non_finite", self._non_finite),
-            ("grad_spike", self._grad_spike), ("sampling_ignored", self._sampling_ignored),
-            ("reward_stalled", self._reward_stalled)]
-        for name, check in checks:
+        for name in CHECKS:
             if getattr(self.config, name).enabled:
+                check: Callable[..., None] = getattr(self, f"_{name}")
                 check(step, metrics, ctx, fired)
         return self._record(fired)
 
@@ -449,10 +449,17 @@ class HealthMonitor:
 
     def summary(self) -> str:
         """Every alert of the run, for the end-of-run log: its step and check, what was seen,
-        the likely causes and the fix to try first."""
+        the likely causes and the fix to try first; says so when the checks were off (no alert
+        then means nothing was watched, not a healthy run)."""
+        if not self.config.enabled:
+            return "health: checks were off (health.enabled: false); no step was watched"
+        off = [name for name in CHECKS if not getattr(self.config, name).enabled]
+        if len(off) == len(CHECKS):
+            return "health: every check was off (health.CHECK.enabled: false); no step was watched"
+        unwatched = f" (checks off: {', '.join(off)})" if off else ""
         if not self.alerts:
-            return f"health: no alerts in {self._steps} steps"
-        lines = [f"health: {len(self.alerts)} alert(s) in {self._steps} steps"]
+            return f"health: no alerts in {self._steps} steps{unwatched}"
+        lines = [f"health: {len(self.alerts)} alert(s) in {self._steps} steps{unwatched}"]
         for a in self.alerts:
             lines.append(f"  step {a.step} {a.check} ({a.action}): {a.evidence or a.message}")
             lines += [f"    likely: {c}" for c in a.causes]

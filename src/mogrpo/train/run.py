@@ -48,6 +48,7 @@ from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, init_distributed, weights_checksum
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
+from mogrpo.train.startup import startup_summary
 from mogrpo.train.tasks import Task, load_tasks
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
     if not mc.load_in_4bit:
         policy.to(device)
     trainable, total = trainable_parameters(policy)
-    log.info("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
+    log.debug("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
     ids = stop_ids(config, policy, tokenizer)
     ro = config.rollout
     sampling = SamplingSettings(
@@ -195,6 +196,8 @@ def run_training(config: RunConfig, resume: str | None = None,
     summary_memory = _memory_estimate(ctx, config)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks],
                                "memory_estimate_gib": summary_memory}
+    log.info("%s", startup_summary(config, ctx.policy, ctx.device, ctx.tasks, summary_memory,
+                                   run_dir, loaded.state["step"] if loaded else 0))
     quick_eval = QuickEval(ctx, run_dir)
     sft_done = bool(loaded and loaded.state["sft_done"])
     start_eval: dict[str, float] = {}
@@ -332,8 +335,8 @@ def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
         log.info("memory estimate unavailable: %s", err)
         return None
     log.debug("%s", est.table())
-    log.info("estimated peak memory %.2f GiB (see `mogrpo memory`); measured per step as "
-             "memory/peak_gib", est.total / 2**30)
+    log.debug("estimated peak memory %.2f GiB (see `mogrpo memory`); measured per step as "
+              "memory/peak_gib", est.total / 2**30)
     return est.total / 2**30
 
 
