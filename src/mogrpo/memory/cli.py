@@ -14,7 +14,6 @@ from mogrpo.config import load_config
 from mogrpo.errors import ConfigError, ExitCode, ModelError, MogrpoError
 from mogrpo.memory.estimate import GIB, estimate, reward_model_configs
 from mogrpo.memory.ladder import ladder
-from mogrpo.modeling.architecture import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +85,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         gpu = torch.cuda.get_device_properties(0).total_memory
     rms = reward_model_configs(config)
     # the module tree is built (on the meta device) once; the ladder re-estimates many configs
+    from mogrpo.modeling.architecture import Architecture
+
     shape = Architecture.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
     result = estimate(shape, config, reward_models=rms)
     print(result.table())
