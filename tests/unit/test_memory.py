@@ -12,7 +12,6 @@ from mogrpo.config import RunConfig
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.memory import (
     GIB,
-    Architecture,
     estimate,
     ladder,
     load_model_config,
@@ -21,6 +20,7 @@ from mogrpo.memory import (
     peak_bytes,
     reset_peak,
 )
+from mogrpo.modeling.architecture import Architecture
 
 # Llama-3-8B's shape: hidden 4096, 32 layers, 32 heads of 128, 8 KV heads, SwiGLU 14336,
 # vocabulary 128256, separate input and output embeddings.
