@@ -139,6 +139,6 @@ def test_streaming_bad_row_past_the_preview_is_reported_when_drawn(tmp_path):
     datasets.Dataset.from_dict({"prompt": prompts}).to_parquet(str(tmp_path / "big.parquet"))
     (task,) = tasks(tmp_path, {"path": str(tmp_path / "big.parquet"), "streaming": True})
     mixer = TaskMixer([task], seed=0)
-    with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91: column 'prompt' is "
+    with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91, column 'prompt' = '': "
                                         r"empty"):
         mixer.next_batch(100)
