@@ -142,3 +142,16 @@ def test_streaming_bad_row_past_the_preview_is_reported_when_drawn(tmp_path):
     with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91, column 'prompt' = '': "
                                         r"empty"):
         mixer.next_batch(100)
+
+
+def test_streaming_strict_refuses_a_repaired_value_past_the_preview(tmp_path):
+    prompts = [f"p{i}" for i in range(100)]
+    prompts[90] = " p90 "  # read as "p90": a warning, an error under strict
+    datasets.Dataset.from_dict({"prompt": prompts}).to_parquet(str(tmp_path / "big.parquet"))
+    spec = {"path": str(tmp_path / "big.parquet"), "streaming": True}
+    (task,) = tasks(tmp_path, spec)
+    assert len(TaskMixer([task], seed=0).next_batch(100)) == 100
+    (task,) = tasks(tmp_path, spec, strict=True)
+    with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91, column 'prompt' = "
+                                        r"' p90 ': read as 'p90'"):
+        TaskMixer([task], seed=0).next_batch(100)

@@ -478,11 +478,14 @@ def parse_examples(
             f"(first: row {first.row}, column {column!r}); fill the fields or check the columns"
         )
     return examples
+
+
 def parse_row(rec: Record, format: str, *, prompt_template: str | None = None,
-              drop_incomplete: bool = False) -> Example | None:
-    """One record of a known format (a streamed row), with the checks of `parse_examples`;
-    None for an incomplete row when `drop_incomplete`. A problem raises a DataError."""
-    problems = ProblemLog()
+              drop_incomplete: bool = False, strict: bool = False) -> Example | None:
+    """One record of a known format (a streamed row), with the rules of `parse_examples`;
+    None for an incomplete row when `drop_incomplete`. Its problems raise at once (a stream
+    has no end to collect them at); repaired values are errors only when `strict`."""
+    problems = ProblemLog(strict)
     examples, _ = collect_examples([rec], problems, format=format,
                                    prompt_template=prompt_template,
                                    drop_incomplete=drop_incomplete)

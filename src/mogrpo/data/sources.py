@@ -34,8 +34,8 @@ def is_streaming(spec: Any) -> bool:
 
 
 def load_records(spec: Any, seed: int, problems: ProblemLog | None = None) -> list[Record]:
-    """Every row of `spec` (a path or `builtin:NAME` string, or a `DataSource` section); a
-    text file's bad rows go to `problems` when given (else they raise, all at once)."""
+    """Every row of `spec` (a path or `builtin:NAME` string, or a `DataSource` section); a text
+    file's bad rows go to `problems` (raised here without one)."""
     if isinstance(spec, str):
         if spec.startswith(BUILTIN_PREFIX):
             return [Record(spec, i + 1, row) for i, row in enumerate(builtin_rows(spec, seed))]
@@ -63,19 +63,21 @@ class ExampleStream:
     seed: int
     skip_rows: int = 0
     """Rows at the start of the split held out for evaluation."""
+    strict: bool = False
+    """Values mogrpo would repair (answer `b` read as `B`) are errors."""
 
     def __call__(self, epoch: int) -> Iterator[Example]:
         records = stream_records(self.source, seed=self.seed, epoch=epoch,
                                  skip_rows=self.skip_rows)
         for record in records:
             example = parse_row(record, self.format, prompt_template=self.prompt_template,
-                                drop_incomplete=self.drop_incomplete)
+                                drop_incomplete=self.drop_incomplete, strict=self.strict)
             if example is not None:
                 yield example
 
 
 def open_stream(spec: Any, *, task: str, format: str, prompt_template: str | None,
-                drop_incomplete: bool, seed: int, eval_size: int
+                drop_incomplete: bool, seed: int, eval_size: int, strict: bool = False
                 ) -> tuple[list[Example], list[Example], ExampleStream]:
     """(preview, held-out, stream) of a streamed task: the first `eval_size` rows are held out
     and the next `PREVIEW_ROWS` checked now — errors before the model loads — and kept as the
@@ -87,9 +89,11 @@ def open_stream(spec: Any, *, task: str, format: str, prompt_template: str | Non
         raise DataError(f"{source.label}: {len(head)} rows, not more than eval_size "
                         f"{eval_size}; lower `tasks.{task}.eval_size` or add rows")
     fmt = detect_format(head) if format == "auto" else format
-    kwargs = dict(format=fmt, prompt_template=prompt_template, drop_incomplete=drop_incomplete)
+    kwargs = dict(format=fmt, prompt_template=prompt_template, drop_incomplete=drop_incomplete,
+                  strict=strict)
     held_out = parse_examples(head[:eval_size], **kwargs) if eval_size else []
     preview = parse_examples(head[eval_size:], **kwargs)
     task_seed = zlib.crc32(f"{seed}/{task}".encode())
-    stream = ExampleStream(source, fmt, prompt_template, drop_incomplete, task_seed, eval_size)
+    stream = ExampleStream(source, fmt, prompt_template, drop_incomplete, task_seed, eval_size,
+                           strict)
     return preview, held_out, stream

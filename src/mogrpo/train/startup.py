@@ -38,10 +38,18 @@ def _task_lines(tasks: list[Task]) -> list[str]:
     for task in tasks:
         rewards = ", ".join(f"{label} ×{weight:g}" for label, weight in
                             zip(task.reward_labels, task.reward_weights(0), strict=True))
-        lines += [f"  task {task.name}: {len(task.train):,} train / {len(task.eval):,} eval rows "
-                  f"from {task.config.data}, share {task.config.weight:g}",
+        rows = "streamed" if task.stream is not None else f"{len(task.train):,}"
+        lines += [f"  task {task.name}: {rows} train / {len(task.eval):,} eval rows "
+                  f"from {_source(task.config.data)}, share {task.config.weight:g}",
                   f"    rewards {rewards or '(none)'}; β {task.config.beta:g} ({_kl(task)})"]
     return lines
+
+
+def _source(data: object) -> str:
+    """A task's data as written: a path or `builtin:NAME`, or a dataset section's hub/path."""
+    if isinstance(data, str):
+        return data
+    return str(getattr(data, "hub", None) or getattr(data, "path", None) or data)
 
 
 def _steps(config: RunConfig, start_step: int) -> str:

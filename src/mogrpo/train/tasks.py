@@ -68,7 +68,7 @@ def _split(name: str, tc: TaskConfig, seed: int
         preview, held_out, stream = open_stream(
             tc.data, task=name, format=tc.format, prompt_template=tc.prompt_template,
             drop_incomplete=tc.drop_incomplete, seed=seed,
-            eval_size=0 if tc.eval_data is not None else tc.eval_size)
+            eval_size=0 if tc.eval_data is not None else tc.eval_size, strict=tc.strict)
         if tc.eval_data is not None:
             held_out = _examples(tc.eval_data, tc, seed + 1)
         return preview, held_out, stream
@@ -120,9 +120,9 @@ def load_tasks(config: RunConfig) -> list[Task]:
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         tasks.append(Task(name, tc, train, held_out, fns, schedules, stream))
-        log.info("task %s: %s train / %d eval prompts, rewards %s", name,
-                 "streamed" if stream else len(train), len(held_out),
-                 ", ".join(label for label, _, _ in fns))
+        log.debug("task %s: %s train / %d eval prompts, rewards %s", name,
+                  "streamed" if stream else len(train), len(held_out),
+                  ", ".join(label for label, _, _ in fns))
     if problems:
         raise DataError("\n".join(problems))
     return tasks
