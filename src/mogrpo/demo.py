@@ -17,7 +17,6 @@ from mogrpo.config import RunConfig, load_config
 from mogrpo.data.readers import Record
 from mogrpo.data.schema import parse_examples
 from mogrpo.data.synthetic import builtin_rows
-from mogrpo.modeling.tiny import build_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +45,15 @@ def prepare_demo(out: Path, seed: int, overrides: list[str]) -> RunConfig:
     """Build (or reuse) the tiny model for this seed and resolve the demo config."""
     base = demo_base()
     model_dir = out / f"tiny-model-seed{seed}"
-    if not (model_dir / "config.json").exists():
-        log.info("building the tiny model in %s", model_dir)
-        build_tiny_model(model_dir, tokenizer_corpus(base, seed), seed=seed, **TINY)
     base["seed"] = seed
     base["model"]["name_or_path"] = str(model_dir)
     base["output"]["dir"] = str(out / f"run-seed{seed}")
-    config, _ = load_config(None, overrides, base=base)
+    config, _ = load_config(None, overrides, base=base)  # a --set typo: before any model
+    if not (model_dir / "config.json").exists():
+        from mogrpo.modeling.tiny import build_tiny_model  # imports torch
+
+        log.info("building the tiny model in %s", model_dir)
+        build_tiny_model(model_dir, tokenizer_corpus(base, seed), seed=seed, **TINY)
     return config
 
 

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """What every `mogrpo` command's exit status means (README: "Exit status")."""
+
+    OK = 0
+    INTERNAL = 1
+    """A bug: an unexpected exception (the traceback is printed)."""
+    USAGE = 2
+    """A usage, config or data error: the one `error:` line says what to fix."""
+    FOUND_PROBLEM = 3
+    """A check ran and found a problem (doctor, data check, checkpoints, memory, a health stop)."""
+    INTERRUPTED = 130
+    """Ctrl-C."""
+
 
 class MogrpoError(Exception):
     """Base class for every error mogrpo reports to a user (printed without a traceback)."""
+
+    exit_code: int = ExitCode.USAGE
 
 
 class ConfigError(MogrpoError):

@@ -66,9 +66,13 @@ def test_rows_without_ids_or_answers_are_numbered(b_model, tmp_path, capsys):
     out = tmp_path / "sub.csv"
     assert main(["predict", str(b_model), str(data), "--out", str(out),
                  "--answer-column", "label"]) == 0
-    # data rows start at line 2 of the file (line 1 is the header)
+    # data rows start at line 2 of the file (line 1 is the header), and the message says so
     assert read_csv(out) == [["id", "label"], ["2", "B"], ["3", "B"], ["4", "B"]]
-    assert "accuracy" not in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "accuracy" not in captured.out
+    assert ("each row's id is its line number in the file, as in error messages (the first data "
+            "row of a CSV/TSV is line 2)") in captured.err
+    assert "from 1" not in captured.err
 
 
 def test_the_run_config_builds_the_training_prompt(b_model, tmp_path):
@@ -97,7 +101,12 @@ def test_the_run_config_builds_the_training_prompt(b_model, tmp_path):
     (ROWS[:2], ["--fallback", "BB"], "--fallback 'BB' must be one option letter"),
     (ROWS[:2], ["--task", "exam"], "--task and --set read a run's config: pass it with --config"),
     ([["c-1", "问题", "甲", "乙", "丙", "丁", "E"]], [],
-     "column 'correct_answer' is 'E' but the options are A–D"),
+     "column 'correct_answer' = 'E': not one of the options A–D"),
+    ([ROWS[0], ROWS[1][:5]], [],  # a short row is reported as such, not read as "no answer"
+     "row 3: 5 fields but the header has 7 (a short row: no value for 'option_D', "
+     "'correct_answer')"),
+    ([["c-1", "问题", "甲", "乙", "丙", "丁", "b"]], ["--strict"],
+     "row 2, column 'correct_answer' = 'b': read as 'B'"),
 ])
 def test_user_mistakes_are_one_line_errors(b_model, tmp_path, capsys, rows, args, message):
     data = write_tsv(tmp_path / "test.tsv", HEADER, rows)

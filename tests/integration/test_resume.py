@@ -160,7 +160,7 @@ def test_corrupt_and_truncated_checkpoints_fall_back(tmp_path, tiny_model, capsy
 
     assert find_resume(run, "auto").name == "step-0000001"
     capsys.readouterr()
-    assert main(["checkpoints", str(run)]) == 0
+    assert main(["checkpoints", str(run)]) == 3  # listed, and the damage is the exit status
     listing = capsys.readouterr().out
     assert "step-0000003  step      3  corrupt" in listing
     assert "step-0000001  step      1  ok" in listing
@@ -228,8 +228,8 @@ def test_doctor_reports_integrity_versions_and_resume_verdict(tmp_path, tiny_mod
     assert main(["train", str(config)]) == 0
     checkpoint = tmp_path / "run" / "checkpoints" / "step-0000002"
     capsys.readouterr()
-    assert main(["doctor", str(checkpoint), "--config", str(config),
-                 "--set", "rollout.num_generations=8", "--set", "train.micro_batch_size=8"]) == 0
+    assert main(["doctor", str(checkpoint), "--config", str(config),  # 3: a refused resume
+                 "--set", "rollout.num_generations=8", "--set", "train.micro_batch_size=8"]) == 3
     out = capsys.readouterr().out
     assert "status   ok  (step 2)" in out
     assert "weights.safetensors" in out and "  ok" in out
@@ -237,6 +237,7 @@ def test_doctor_reports_integrity_versions_and_resume_verdict(tmp_path, tiny_mod
     assert "torch" in out and "versions (then -> now)" in out
     assert "resume with the given config: refused" in out
     assert "REFUSED  rollout.num_generations: 4 -> 8" in out
+    assert out.rstrip().endswith("problem: a resume with the given config would be refused")
     assert main(["doctor", str(tmp_path / "nope")]) == 2
 
 

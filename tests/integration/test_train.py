@@ -100,12 +100,30 @@ def test_lora_run_trains_logs_and_saves(tmp_path, tiny_model):
     assert adapter_config["base_model_name_or_path"] == str(run / "sft" / "merged")
 
 
-def test_full_finetune_changes_weights_and_reloads(tmp_path, tiny_model):
+def test_full_finetune_changes_weights_and_reloads(tmp_path, tiny_model, capsys):
     from transformers import AutoModelForCausalLM
 
     path = write_config(tmp_path, tiny_model, lora=False, sft={"enabled": False},
-                        algorithm={"num_iterations": 2, "loss_aggregation": "token_mean"})
+                        algorithm={"num_iterations": 2, "loss_aggregation": "token_mean"},
+                        health={"enabled": False})
     assert main(["train", str(path)]) == 0
+    # The startup summary, once, before the first step; the end says the checks were off.
+    err = capsys.readouterr().err
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert err.count("run summary\n") == 1
+    summary = err[err.index("run summary\n"):].splitlines()[:10]
+    assert summary[1:4] == [
+        f"  model    {tiny_model} — full fine-tuning",
+        f"  params   {params:,} trainable of {params:,} (100.00%)",
+        "  device   cpu, float32"]
+    assert summary[4] == "  task fairness: 104 train / 16 eval rows from builtin:bias_probe?size=120, share 1"
+    assert summary[5] == ("    rewards mc_correct ×1, format ×0.1, length_penalty ×0.5, "
+                          "distinct ×1; β 0.02 (band 0.01–0.05)")
+    assert summary[8].startswith(f"  steps    GRPO {STEPS} × 4 prompts × K 4 = 16 completions")
+    assert summary[9].startswith("  memory   estimated peak ")
+    assert err.index("run summary") < err.index(f"step 1/{STEPS} | loss")
+    assert "health: checks were off (health.enabled: false); no step was watched" in err
+    assert "no alerts in" not in err
     before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "model").state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]

@@ -64,13 +64,15 @@ def test_version(capsys):
 def test_no_command_prints_the_top_level_help(capsys, monkeypatch):
     # `main([])` must not fall back to the process's own arguments.
     monkeypatch.setattr(sys, "argv", ["mogrpo", "demo"])
-    out = run_help([], capsys)
+    assert main([]) == 2  # nothing was done: a usage error
+    out = capsys.readouterr().out
     assert out.startswith("usage: mogrpo [-h] [--version] COMMAND")
     assert "--seed" not in out
 
 
 def test_config_without_subcommand_prints_its_help(capsys):
-    out = run_help(["config"], capsys)
+    assert main(["config"]) == 2
+    out = capsys.readouterr().out
     assert out.startswith("usage: mogrpo config [-h] SUBCOMMAND")
     assert "show" in out and "fields" in out
 

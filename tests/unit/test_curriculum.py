@@ -108,3 +108,35 @@ def test_config_file_mistakes_name_the_stage_key(tmp_path):
                                           r"\(from file .*run.yaml\); did you mean "
                                           r"`curriculum.stages.0.until`\?"):
         load_config(path)
+
+
+THREE = ({"name": "warm", "until": {"steps": 1}}, {"name": "mid", "until": {"steps": 1}},
+         {"name": "final"})
+
+
+def in_final_stage() -> dict:
+    c = curriculum(*THREE)
+    c.observe(1, {})
+    c.observe(2, {})
+    assert c.index == 2
+    return c.state_dict()
+
+
+def test_resume_into_fewer_stages_is_a_clear_error_not_an_index_error():
+    fewer = curriculum({"name": "warm", "until": {"steps": 1}}, {"name": "rest"})
+    with pytest.raises(ConfigError) as err:
+        fewer.load_state_dict(in_final_stage())
+    assert str(err.value) == (
+        "the checkpoint is in curriculum stage 3 ('final'), but the config's curriculum has 2 "
+        "stage(s): warm, rest. To continue, name one of them 'final' (the run goes on in it), "
+        "put the removed stages back, or start a new run")
+
+
+def test_resume_finds_the_saved_stage_by_name_when_stages_change():
+    renamed = curriculum({"name": "warm", "until": {"steps": 1}}, {"name": "final"})
+    renamed.load_state_dict(in_final_stage())
+    assert renamed.index == 1 and renamed.stage.name == "final"
+    # a checkpoint written before stages were saved by name: its position must exist
+    old = {k: v for k, v in in_final_stage().items() if k != "stage"}
+    with pytest.raises(ConfigError, match=r"curriculum stage 3, but .* has 2 stage\(s\)"):
+        curriculum({"name": "warm", "until": {"steps": 1}}, {"name": "rest"}).load_state_dict(old)

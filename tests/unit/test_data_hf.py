@@ -78,7 +78,7 @@ def test_hub_form_goes_through_load_dataset(tmp_path):
 def test_bad_rows_are_reported_with_their_row_number(tmp_path):
     datasets.Dataset.from_dict({"prompt": ["ok", "fine", "  ", "ok"]}).to_parquet(
         str(tmp_path / "d.parquet"))
-    with pytest.raises(DataError, match=r"d\.parquet \(train\) row 3: column 'prompt' is empty"):
+    with pytest.raises(DataError, match=r"d\.parquet \(train\) row 3, column 'prompt' = '  ': empty"):
         tasks(tmp_path, str(tmp_path / "d.parquet"))
     (task,) = tasks(tmp_path, str(tmp_path / "d.parquet"), drop_incomplete=True)
     assert len(task.train) == 3
@@ -139,6 +139,19 @@ def test_streaming_bad_row_past_the_preview_is_reported_when_drawn(tmp_path):
     datasets.Dataset.from_dict({"prompt": prompts}).to_parquet(str(tmp_path / "big.parquet"))
     (task,) = tasks(tmp_path, {"path": str(tmp_path / "big.parquet"), "streaming": True})
     mixer = TaskMixer([task], seed=0)
-    with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91: column 'prompt' is "
+    with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91, column 'prompt' = '': "
                                         r"empty"):
         mixer.next_batch(100)
+
+
+def test_streaming_strict_refuses_a_repaired_value_past_the_preview(tmp_path):
+    prompts = [f"p{i}" for i in range(100)]
+    prompts[90] = " p90 "  # read as "p90": a warning, an error under strict
+    datasets.Dataset.from_dict({"prompt": prompts}).to_parquet(str(tmp_path / "big.parquet"))
+    spec = {"path": str(tmp_path / "big.parquet"), "streaming": True}
+    (task,) = tasks(tmp_path, spec)
+    assert len(TaskMixer([task], seed=0).next_batch(100)) == 100
+    (task,) = tasks(tmp_path, spec, strict=True)
+    with pytest.raises(DataError, match=r"big\.parquet \(train\) row 91, column 'prompt' = "
+                                        r"' p90 ': read as 'p90'"):
+        TaskMixer([task], seed=0).next_batch(100)

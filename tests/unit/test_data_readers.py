@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mogrpo.data.problems import ProblemLog
 from mogrpo.data.readers import Record, read_records
 from mogrpo.errors import DataError
 
@@ -90,9 +91,13 @@ def test_csv_with_windows_line_endings(tmp_path):
     assert [(r.row, r.data["answer"]) for r in read_records(path)] == [(2, "1"), (3, "2")]
 
 
-def test_csv_short_row_is_padded_with_empty_values(tmp_path):
+def test_csv_short_row_is_reported_as_short_not_padded(tmp_path):
     path = write(tmp_path / "d.csv", "prompt,answer,id\nhello,1\n")
-    assert read_records(path)[0].data == {"prompt": "hello", "answer": "1", "id": ""}
+    with pytest.raises(DataError) as err:
+        read_records(path)
+    assert str(err.value) == (
+        f"{path} row 2: 2 fields but the header has 3 (a short row: no value for 'id'); add the "
+        "missing commas — an empty value still needs its separator — or remove the row")
 
 
 def test_csv_row_with_too_many_fields_names_row_and_fix(tmp_path):
@@ -102,6 +107,29 @@ def test_csv_row_with_too_many_fields_names_row_and_fix(tmp_path):
     message = str(err.value)
     assert f"{path} row 3: 3 fields but the header has 2" in message
     assert "unquoted comma" in message and "double quotes" in message
+
+
+def test_every_bad_row_is_reported_in_one_read(tmp_path):
+    text = "q\ta\tb\nok\t1\t2\nshort\t1\nlong\t1\t2\t3\nok\t1\t2\nshort\n"
+    path = write(tmp_path / "d.tsv", text)
+    with pytest.raises(DataError) as err:
+        read_records(path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"3 problems in {path} (each listed; fix them all, then run again):"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        f"{path} row 3", f"{path} row 4", f"{path} row 6"]
+    assert "a short row: no value for 'b'" in lines[1] and "add the missing tabs" in lines[1]
+    assert "4 fields but the header has 3" in lines[2] and "unquoted tab" in lines[2]
+    assert "a short row: no value for 'a', 'b'" in lines[3]
+
+
+def test_bad_rows_go_to_a_given_log_and_good_rows_are_kept(tmp_path):
+    path = write(tmp_path / "d.jsonl", '{"prompt": "a"}\n{"prompt": \n"text"\n{"prompt": "b"}\n')
+    problems = ProblemLog()
+    records = read_records(path, problems)
+    assert [r.row for r in records] == [1, 4]
+    assert [(p.row, p.kind) for p in problems.errors] == [(2, "invalid_json"), (3, "invalid_json")]
+    assert "found a string" in problems.errors[1].what
 
 
 def test_tsv_header_names_are_stripped_and_empty_ones_named(tmp_path):

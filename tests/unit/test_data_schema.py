@@ -77,8 +77,8 @@ def test_correct_answer_outside_options_names_file_row_and_fix():
     with pytest.raises(DataError) as err:
         parse_examples(rows)
     assert str(err.value) == (
-        "data/fair.tsv row 17: column 'correct_answer' is 'E' but the options are A–D; "
-        "fix the row or remove it"
+        "data/fair.tsv row 17, column 'correct_answer' = 'E': not one of the options A–D; "
+        "write one of A–D, or remove the row"
     )
 
 
@@ -88,16 +88,17 @@ def test_a_test_set_may_leave_the_answer_out_when_predicting():
     examples = parse_examples(rows, require_answer=False)
     assert [ex.columns["correct_answer"] for ex in examples] == [None, None, "B"]
     # an answer that is given must still be an option
-    with pytest.raises(DataError, match="row 2: column 'correct_answer' is 'E'"):
+    with pytest.raises(DataError, match="row 2, column 'correct_answer' = 'E': not one of the options"):
         parse_examples(records(mc_row(correct_answer="E")), require_answer=False)
     # training data still needs it
-    with pytest.raises(DataError, match="column 'correct_answer' is empty"):
+    with pytest.raises(DataError, match="column 'correct_answer' = '': empty"):
         parse_examples(records(mc_row(correct_answer="")))
 
 
 def test_correct_answer_that_is_not_a_letter_says_to_write_the_letter():
-    with pytest.raises(DataError, match=r"row 2: column 'correct_answer' is '答案B' but the options "
-                                        r"are A–D \(write just the letter, e.g. 'B'\)"):
+    with pytest.raises(DataError, match=r"row 2, column 'correct_answer' = '答案B': not an option "
+                                        r"letter \(the options are A–D\); write just the letter, "
+                                        r"e.g. 'B'"):
         parse_examples(records(mc_row(correct_answer="答案B")))
 
 
@@ -140,7 +141,8 @@ def test_missing_required_column_lists_the_row_columns():
     with pytest.raises(DataError) as err:
         parse_examples(records(row), format="multiple_choice")
     message = str(err.value)
-    assert message.startswith("data/fair.tsv row 2: required column 'correct_answer' is missing")
+    assert message.startswith(
+        "data/fair.tsv row 2, column 'correct_answer': required column is missing")
     assert "the row has columns: question, option_A, option_B, option_C, option_D" in message
 
 
@@ -148,7 +150,7 @@ def test_empty_required_field_is_an_error_naming_row_column_and_option():
     rows = records(mc_row(), mc_row(option_C="  "))
     with pytest.raises(DataError) as err:
         parse_examples(rows)
-    assert "data/fair.tsv row 3: column 'option_C' is empty" in str(err.value)
+    assert "data/fair.tsv row 3, column 'option_C' = '  ': empty" in str(err.value)
     assert "drop_incomplete: true" in str(err.value)
 
 
@@ -165,7 +167,7 @@ def test_drop_incomplete_skips_rows_and_logs_once(caplog):
 
 def test_drop_incomplete_does_not_hide_invalid_values():
     rows = records(mc_row(option_C=""), mc_row(correct_answer="Z"))
-    with pytest.raises(DataError, match="row 3: column 'correct_answer' is 'Z'"):
+    with pytest.raises(DataError, match="row 3, column 'correct_answer' = 'Z'"):
         parse_examples(rows, drop_incomplete=True)
 
 
@@ -188,7 +190,7 @@ def test_chinese_tsv_with_bom_end_to_end(caplog):
 
 
 def test_chinese_tsv_without_drop_names_the_empty_cell():
-    with pytest.raises(DataError, match=r"zh_mc_bom\.tsv row 3: column 'option_C' is empty"):
+    with pytest.raises(DataError, match=r"zh_mc_bom\.tsv row 3, column 'option_C' = '': empty"):
         load_examples(FIXTURES / "zh_mc_bom.tsv")
 
 
@@ -239,7 +241,7 @@ def test_template_on_prompt_format_uses_columns_and_requires_them_filled():
     [ex] = parse_examples(rows, prompt_template="{context}\n\nQ: {prompt}")
     assert ex.prompt == "Paris is in France.\n\nQ: Where is Paris?"
     assert ex.columns == {"context": "Paris is in France."}
-    with pytest.raises(DataError, match="row 2: column 'context' is empty"):
+    with pytest.raises(DataError, match="row 2, column 'context' = '': empty"):
         parse_examples(records({"context": "", "prompt": "p"}), prompt_template="{context}{prompt}")
 
 
@@ -264,13 +266,13 @@ def test_prompt_format_missing_prompt_lists_columns():
     with pytest.raises(DataError) as err:
         parse_examples(records({"text": "x", "label": 1}))
     assert str(err.value) == (
-        "data/fair.tsv row 2: required column 'prompt' is missing; the row has columns: text, "
-        "label. format 'prompt' needs a 'prompt' column (text)"
+        "data/fair.tsv row 2, column 'prompt': required column is missing (the row has columns: "
+        "text, label); format 'prompt' needs a 'prompt' column (text)"
     )
 
 
 def test_prompt_must_be_text():
-    with pytest.raises(DataError, match="column 'prompt' must be text but is a dict"):
+    with pytest.raises(DataError, match=r"column 'prompt' = \{'x': 1\}: must be text but is a dict"):
         parse_examples(records({"prompt": {"x": 1}}))
 
 
@@ -302,7 +304,7 @@ def test_chat_ending_with_assistant_reply_becomes_the_completion_column():
 
 
 @pytest.mark.parametrize("value,match", [
-    ('[{"role": "user", "content": "hi"', r"column 'messages' is not valid JSON"),
+    ('[{"role": "user", "content": "hi"', r": not valid JSON"),
     ([{"role": "bot", "content": "hi"}], r"messages\[0\] has role 'bot'; roles must be system, "
                                         r"user, assistant"),
     ([{"role": "user"}], r"messages\[0\] must be an object with a text 'content'"),
@@ -310,7 +312,7 @@ def test_chat_ending_with_assistant_reply_becomes_the_completion_column():
     ([{"role": "assistant", "content": "hi"}], "only an assistant message"),
 ])
 def test_bad_chat_rows(value, match):
-    with pytest.raises(DataError, match=r"data/fair\.tsv row 2: .*" + match):
+    with pytest.raises(DataError, match=r"data/fair\.tsv row 2, column 'messages'.*" + match):
         parse_examples(records({"messages": value}), format="chat")
 
 
@@ -340,7 +342,7 @@ def test_unknown_format_is_a_config_error():
 
 
 def test_reserved_column_names_are_rejected():
-    with pytest.raises(DataError, match="row 2: column 'completions' has a name mogrpo passes"):
+    with pytest.raises(DataError, match="row 2, column 'completions': has a name mogrpo passes"):
         parse_examples(records({"prompt": "x", "completions": "y"}))
 
 

@@ -17,6 +17,7 @@ from mogrpo.health import (
     HealthStop,
     StepContext,
 )
+from mogrpo.health.monitor import CHECKS
 
 TASKS = ("fairness", "hallucination")
 CTX = StepContext(temperature=0.9, max_completion_length=96)
@@ -307,9 +308,17 @@ def test_alert_event_and_summary():
     (alert,) = monitor.alerts
     event = json.loads(json.dumps(alert.as_event()))
     assert event == {"event": "health_alert", "check": "truncation", "step": 35,
-                     "message": alert.message, "action": "warn"}
+                     "message": alert.message, "action": "warn", "evidence": alert.evidence,
+                     "causes": alert.causes, "fix": alert.fix, "best_step": None}
+    # the message's parts: what was seen, why it may be, what to try
+    assert alert.evidence == ("50% of completions hit rollout.max_completion_length = 96 "
+                              "(threshold 20%) for 5 steps")
+    assert alert.causes == ["a budget too small for the task, repetition loops, or a stop token "
+                            "the model never emits"]
+    assert alert.fix.startswith("raise max_completion_length, check stop_token_ids")
     assert monitor.summary().splitlines() == [
-        "health: 1 alert(s) in 70 steps", f"  step 35 truncation (warn): {alert.message}"]
+        "health: 1 alert(s) in 70 steps", f"  step 35 truncation (warn): {alert.evidence}",
+        f"    likely: {alert.causes[0]}", f"    fix: {alert.fix}"]
 
 
 def test_state_round_trip_resumes_streaks():
@@ -403,3 +412,15 @@ def test_not_learning_on_a_tiny_run_whose_optimizer_never_steps(tmp_path, tiny_m
         assert list(fired) == [3] and monitor.should_stop
         assert "not_learning at step 3: KL 0.0 and update norm 0.0" in fired[3][0].message
         assert metrics["policy/update_norm"] == 0.0
+
+
+def test_summary_says_when_checks_were_off():
+    off = HealthMonitor(HealthConfig(enabled=False))
+    stream(off, 20)
+    assert off.summary() == "health: checks were off (health.enabled: false); no step was watched"
+    some = HealthMonitor(HealthConfig(truncation={"enabled": False}, grad_spike={"enabled": False}))
+    stream(some, 20)
+    assert some.summary() == "health: no alerts in 20 steps (checks off: truncation, grad_spike)"
+    every = HealthMonitor(HealthConfig(**{name: {"enabled": False} for name in CHECKS}))
+    stream(every, 20)
+    assert every.summary().startswith("health: every check was off")

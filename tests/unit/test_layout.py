@@ -17,9 +17,9 @@ LAYERS = [
     {"__init__", "errors", "templates"},
     {"algo"},
     {"config"},
-    {"data", "modeling", "rollout", "rewards", "health", "memory", "tracking"},
+    {"data", "modeling", "rollout", "rewards", "memory", "tracking"},
     {"tasks"},
-    {"eval", "checkpoint"},
+    {"eval", "checkpoint", "health"},  # health reads evals: their Pareto front
     {"train", "serve"},
     {"cli", "demo", "api"},
 ]

@@ -7,8 +7,9 @@ import pytest
 from architectures import FAMILIES, family_config
 from mogrpo.config import RunConfig
 from mogrpo.errors import ConfigError
-from mogrpo.memory import Architecture, estimate, main
+from mogrpo.memory import estimate, main
 from mogrpo.memory.estimate import layer_activation_bytes, lora_modules
+from mogrpo.modeling.architecture import Architecture
 
 # Published sizes (config.json fields as the checkpoints ship them).
 GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,

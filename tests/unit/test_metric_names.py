@@ -15,7 +15,8 @@ from mogrpo.tracking import names
 SRC = Path(__file__).resolve().parents[2] / "src" / "mogrpo"
 # Whoever writes or reads the GRPO step's metrics.
 USERS = ["train/grpo.py", "train/metrics.py", "train/progress.py", "train/distributed.py",
-         "health/monitor.py", "eval/report.py", "eval/quick_eval.py"]
+         "health/monitor.py", "health/regression.py", "eval/report.py", "eval/quick_eval.py",
+         "eval/report_charts.py", "train/startup.py"]
 NAMESPACED = re.compile(r"^(task|policy|rollout|time|throughput|memory|curriculum|eval)/")
 
 

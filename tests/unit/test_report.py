@@ -87,3 +87,39 @@ def test_a_run_stopped_by_a_health_check(run_dir):
 def test_not_a_run_directory(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "has no metrics.jsonl; give a run directory" in capsys.readouterr().err
+
+
+def test_each_alert_shows_its_step_evidence_causes_and_fix(run_dir):
+    alert = {"event": "health_alert", "check": "reward_regression", "step": 17, "action": "warn",
+             "message": "[health] reward_regression at step 17: …",
+             "evidence": "task exam, objective mc_correct: mean reward 0.398 over steps 10–17",
+             "causes": ["the learning rate 0.0001 is too high → set train.learning_rate: 1e-05",
+                        "β 0.04 is too small → set tasks.exam.beta: 0.1"],
+             "fix": "set train.learning_rate: 1e-05"}
+    rollback = {"event": "health_rollback", "step": 20, "restored_step": 0,
+                "checkpoint": "run/checkpoints/step-0000000", "lr_before": 1e-4, "lr_after": 1e-5}
+    (run_dir / "summary.json").write_text(json.dumps({
+        "health": [alert], "rollbacks": [rollback], "saved": {},
+        "best_checkpoint": "step 0 (before GRPO): run/checkpoints/step-0000000"}))
+    report = build_report(run_dir)
+    assert ("- **step 17, reward_regression** (warn)\n"
+            "  - evidence: task exam, objective mc_correct: mean reward 0.398 over steps 10–17\n"
+            "  - likely (1): the learning rate 0.0001 is too high → set train.learning_rate: 1e-05\n"
+            "  - likely (2): β 0.04 is too small → set tasks.exam.beta: 0.1\n"
+            "  - fix: set train.learning_rate: 1e-05\n"
+            "- **step 20: rolled back** to step 0 (`run/checkpoints/step-0000000`), learning rate "
+            "0.0001 → 1e-05\n"
+            "- best checkpoint on the Pareto front: step 0 (before GRPO): "
+            "run/checkpoints/step-0000000") in report
+    # a run still going: the alerts of metrics.jsonl (an old one without parts, as it was)
+    (run_dir / "summary.json").unlink()
+    assert "- [health] truncation at step 2: 25% of completions ..." in build_report(run_dir)
+
+
+def test_health_checks_off_are_not_reported_as_healthy(run_dir):
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**CONFIG, "health": {"enabled": False}}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(step(n, 0.1, 0.01))
+                                                     for n in (1, 2)) + "\n")
+    text = build_report(run_dir)
+    assert "Health checks were off (`health.enabled: false`): no step was watched." in text
+    assert "No health alert." not in text

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig, LogitsProcessorList
 
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.modeling.load import LoraSettings, apply_lora
+from mogrpo.rollout import generate as generate_module
 from mogrpo.rollout.generate import (
     SamplingSettings,
     build_generation_config,
@@ -164,7 +165,9 @@ def test_native_samples_the_same_distribution_as_generate(tok):
     assert chi2 < 18.48  # chi-square 0.99 quantile, 7 degrees of freedom
 
 
-def test_other_architectures_fall_back_to_generate_with_one_line(tok, caplog):
+def test_other_architectures_fall_back_to_generate_with_one_line(tok, caplog, monkeypatch):
+    # the line is logged once per process: forget what earlier tests already logged
+    monkeypatch.setattr(generate_module, "_warned", set())
     config = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2,
                                      n_positions=128, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)

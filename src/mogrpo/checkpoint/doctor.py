@@ -13,10 +13,15 @@ from mogrpo.checkpoint.store import CONFIG, MANIFEST, STATE, VERSIONS, verify, v
 from mogrpo.config import RunConfig
 
 
-def doctor_report(path: Path, config: RunConfig | None = None) -> str:
+def doctor_report(path: Path, config: RunConfig | None = None,
+                  problems: list[str] | None = None) -> str:
     """`mogrpo doctor CHECKPOINT`: integrity per file, step, config, versions then and now,
-    controller states, and whether resuming with `config` would be allowed."""
+    controller states, and whether resuming with `config` would be allowed. What is wrong (a
+    damaged checkpoint, a refused resume) is also appended to `problems`."""
+    problems = [] if problems is None else problems
     status = verify(path)
+    if not status.ok:
+        problems.append(f"checkpoint {path} is {status.status}")
     lines = [f"checkpoint {path}", f"  status   {status.status}  (step {status.step})"]
     names = sorted(_read_json(path / MANIFEST).get("files", {}))
     for name in names:
@@ -57,6 +62,8 @@ def doctor_report(path: Path, config: RunConfig | None = None) -> str:
     if config is not None and saved:
         changes = config_diff((path / CONFIG).read_text(encoding="utf-8"), config)
         verdict = "refused" if any(not c.allowed for c in changes) else "allowed"
+        if verdict == "refused":
+            problems.append("a resume with the given config would be refused")
         lines.append(f"resume with the given config: {verdict}")
         lines += [f"  {'allowed' if c.allowed else 'REFUSED'}  {c}" for c in changes] or ["  no changes"]
     return "\n".join(lines)

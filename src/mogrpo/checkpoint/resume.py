@@ -26,6 +26,8 @@ ALLOWED_PREFIXES = (
     "eval.print_samples",
     "output.",
 )
+# Per-task settings that only decide whether data is accepted, not what is trained on.
+ALLOWED_TASK_FIELDS = ("strict",)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class Change:
 
     @property
     def allowed(self) -> bool:
+        if self.key.startswith("tasks.") and self.key.rsplit(".", 1)[-1] in ALLOWED_TASK_FIELDS:
+            return True
         return any(self.key == p or (p.endswith(".") and self.key.startswith(p))
                    for p in ALLOWED_PREFIXES)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from mogrpo import __version__
-from mogrpo.cli import checkpoints, config, demo, doctor, predict, report, serve, train
+from mogrpo.cli import checkpoints, config, data, demo, doctor, predict, report, serve, train
 from mogrpo.cli.console import setup_logging
-from mogrpo.errors import MogrpoError
+from mogrpo.errors import ExitCode, MogrpoError
 from mogrpo.memory import cli as memory
 
 EPILOG = """examples:
@@ -23,9 +24,12 @@ EPILOG = """examples:
   MOGRPO_TRAIN__LEARNING_RATE=5e-6 mogrpo train run.yaml
 
 priority of values: --set > environment (MOGRPO_SECTION__KEY) > config file > defaults
+
+exit status: 0 ok; 1 internal error (a bug: traceback printed); 2 usage, config or data error;
+3 a check found a problem (doctor, data check, checkpoints, memory, a health stop); 130 Ctrl-C
 """
 
-COMMANDS = (train, checkpoints, doctor, memory, demo, serve, report, predict, config)
+COMMANDS = (train, checkpoints, doctor, memory, demo, serve, report, data, predict, config)
 """The command groups, in the order `mogrpo --help` lists them."""
 
 
@@ -47,17 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:  # no command, or a group without its subcommand: that level's help
-        parser.parse_args([*(sys.argv[1:] if argv is None else argv), "--help"])
-        return 2
+        try:
+            parser.parse_args([*(sys.argv[1:] if argv is None else argv), "--help"])
+        except SystemExit:
+            pass
+        return ExitCode.USAGE
     setup_logging()
     try:
         return handler(args)
     except MogrpoError as err:
         print(f"error: {err}", file=sys.stderr)
-        return getattr(err, "exit_code", 2)
+        return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `mogrpo config fields | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0
+    except Exception:  # noqa: BLE001 - a bug: keep the traceback for the report, exit 1
+        traceback.print_exc()
+        print("internal error: this is a bug in mogrpo or in code it called (a reward "
+              "function?); the traceback above says where", file=sys.stderr)
+        return ExitCode.INTERNAL

@@ -21,7 +21,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     from mogrpo.checkpoint.store import STATE, list_checkpoints
-    from mogrpo.errors import MogrpoError
+    from mogrpo.errors import ExitCode, MogrpoError
 
     found = list_checkpoints(args.run_dir)
     if not found:
@@ -38,4 +38,4 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         print(f"{status.path.name}  step {status.step:>6}  {status.status:<10}  {scores}")
         for problem in status.problems:
             print(f"    {problem}")
-    return 0
+    return 0 if all(s.ok for s in found) else ExitCode.FOUND_PROBLEM

@@ -30,10 +30,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_demo(args: argparse.Namespace) -> int:
     from mogrpo.cli.console import setup_logging
     from mogrpo.demo import format_summary, prepare_demo
-    from mogrpo.train.run import run_training
 
     config = prepare_demo(args.out, args.seed, args.overrides)
     setup_logging(config.logging.level)
+    from mogrpo.train.run import run_training
+
     summary = run_training(config)
     print(format_summary(summary))
     return 0

@@ -219,13 +219,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         info = collect()
         print(json.dumps(info, indent=2) if args.json else report(info))
         return 0
-    from mogrpo.checkpoint.doctor import doctor_report
     from mogrpo.config import load_config
-    from mogrpo.errors import MogrpoError
+    from mogrpo.errors import ExitCode, MogrpoError
 
     path = Path(args.target)
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
     config = load_config(args.config, args.overrides)[0] if args.config else None
-    print(doctor_report(path, config))
-    return 0
+    from mogrpo.checkpoint.doctor import doctor_report  # imports torch: after the config
+
+    problems: list[str] = []
+    print(doctor_report(path, config, problems))
+    for problem in problems:
+        print(f"problem: {problem}")
+    return ExitCode.FOUND_PROBLEM if problems else 0

@@ -29,7 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     predict.add_argument("--task", default=None, help="the config's task whose prompt settings "
                          "to use (needed when it has several)")
     predict.add_argument("--id-column", default=None,
-                         help="column with each row's id (default: `id`, else the row number)")
+                         help="column with each row's id (default: `id`, else the row's line "
+                         "number in the file, as in error messages: a header is line 1)")
     predict.add_argument("--answer-column", default="answer",
                          help="header of the answer column (default answer)")
     predict.add_argument("--fallback", default=None, metavar="LETTER",
@@ -38,14 +39,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          help="completion budget (default: the config's, else 64)")
     predict.add_argument("--batch-size", type=int, default=16, help="rows per generate call")
     predict.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    predict.add_argument("--strict", action="store_true",
+                         help="refuse values mogrpo would repair (answer `b` read as `B`, "
+                         "stripped whitespace) instead of warning")
     add_overrides(predict)
     predict.set_defaults(handler=cmd_predict)
     return predict
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    import torch
-
+    """Arguments, config and data are checked before torch and the model load, so their errors
+    come in a second."""
     from mogrpo.errors import ConfigError
     from mogrpo.eval.predict import (
         PromptSettings,
@@ -56,7 +60,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
         write_details,
         write_submission,
     )
-    from mogrpo.modeling.load import load_policy, resolve_model_dir
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
@@ -69,6 +72,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ConfigError("--task and --set read a run's config: pass it with --config")
     else:
         settings = PromptSettings()
+    settings.strict = settings.strict or args.strict
     if args.max_new_tokens is not None:
         if args.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
@@ -76,6 +80,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     examples = load_rows(args.data, settings)  # data errors before a model loads
     ids = row_ids(examples, args.id_column)
+    import torch
+
+    from mogrpo.modeling.load import load_policy, resolve_model_dir
+
     model, tokenizer = load_policy(resolve_model_dir(args.model), dtype=args.dtype)
     if settings.max_prompt_length is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096

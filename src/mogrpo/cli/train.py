@@ -27,6 +27,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="resume even though settings that change the training math differ from the "
         "checkpoint's (the diff is logged and recorded in config_changes.jsonl)",
     )
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse data values mogrpo would repair (answer `b` read as `B`, "
+                        "stripped whitespace) instead of warning: every task's `strict: true`")
     parser.set_defaults(handler=cmd_train)
     return parser
 
@@ -34,9 +37,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> int:
     from mogrpo.cli.console import setup_logging
     from mogrpo.config import load_config
+
+    config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
+    for task in config.tasks.values() if args.strict else ():
+        task.strict = True
+    setup_logging(config.logging.level)
     from mogrpo.train.run import run_training
 
-    config, _ = load_config(args.config, args.overrides)
-    setup_logging(config.logging.level)
     run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)
     return 0

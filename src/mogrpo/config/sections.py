@@ -185,6 +185,9 @@ class TaskConfig(Section):
     """System message prepended when the chat template is used."""
     drop_incomplete: bool = False
     """Skip rows with empty required fields (counted and logged) instead of failing."""
+    strict: bool = False
+    """Refuse values mogrpo would repair (answer `b` or `Ｂ` read as `B`, stripped whitespace):
+    errors instead of counted warnings."""
     rewards: list[RewardConfig] = Field(default_factory=list)
     """Reward functions of this task; each is one objective."""
     weight: float = Field(1.0, gt=0)

@@ -1,7 +1,10 @@
 """Read data files into row-numbered records: JSON Lines, JSON lists, CSV and TSV.
 
 Every record keeps the file it came from and the line a user would open in an editor, so a
-bad row can be reported as ``data/fair.tsv row 17`` instead of "index 15".
+bad row can be reported as ``data/fair.tsv row 17`` instead of "index 15". A bad row (invalid
+JSON, too few or too many fields) is recorded in a `ProblemLog` and skipped, so one read
+reports every bad row; a file that cannot be read at all (missing, not UTF-8, an unbalanced
+JSON list) is one error at once.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mogrpo.data.problems import Problem, ProblemLog
 from mogrpo.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -34,8 +38,14 @@ class Record:
     data: dict[str, Any]
 
 
-def read_records(path: str | Path) -> list[Record]:
-    """Read a `.jsonl`, `.json`, `.csv` or `.tsv` file (UTF-8, with or without BOM)."""
+def read_records(path: str | Path, problems: ProblemLog | None = None) -> list[Record]:
+    """Read a `.jsonl`, `.json`, `.csv` or `.tsv` file (UTF-8, with or without BOM).
+
+    Bad rows are recorded in `problems` and skipped (the caller raises them, together with
+    what it finds later); without a log they are raised here, all at once.
+    """
+    own = problems is None
+    problems = ProblemLog() if problems is None else problems
     source = str(path)
     p = Path(path)
     suffix = p.suffix.lower()
@@ -49,11 +59,16 @@ def read_records(path: str | Path) -> list[Record]:
     if not text.strip():
         raise DataError(f"{source}: the file is empty; point `tasks.<name>.data` at a file with rows")
     if suffix == ".jsonl" or (suffix == ".json" and not text.lstrip().startswith("[")):
-        records = _read_json_lines(text, source)
+        records = _read_json_lines(text, source, problems)
     elif suffix == ".json":
-        records = _read_json_list(text, source)
+        records = _read_json_list(text, source, problems)
     else:
-        records = _read_delimited(text, source, delimiter="," if suffix == ".csv" else "\t")
+        delimiter = "," if suffix == ".csv" else "\t"
+        records = _read_delimited(text, source, delimiter, problems)
+    if own:
+        problems.raise_errors()
+    if not records and not problems.ok:
+        return []  # every row was bad: the caller reports them
     if not records:
         raise DataError(f"{source}: the file has no data rows")
     log.debug("read %d records from %s", len(records), source)
@@ -80,17 +95,18 @@ def _read_text(p: Path, source: str) -> str:
         ) from None
 
 
-def _object_or_error(value: Any, source: str, row: int) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        kind = {list: "an array", str: "a string", type(None): "null"}.get(type(value), "a number")
-        raise DataError(
-            f"{source} row {row}: expected a JSON object like {{\"prompt\": \"...\"}} but found "
-            f"{kind}; each row must be one object mapping column names to values"
-        )
-    return value
+def _not_an_object(value: Any) -> str | None:
+    """What is wrong with a JSON row that is not an object (None when it is one)."""
+    if isinstance(value, dict):
+        return None
+    kind = {list: "an array", str: "a string", type(None): "null"}.get(type(value), "a number")
+    return f"expected a JSON object like {{\"prompt\": \"...\"}} but found {kind}"
 
 
-def _read_json_lines(text: str, source: str) -> list[Record]:
+_OBJECT_FIX = "each row must be one object mapping column names to values"
+
+
+def _read_json_lines(text: str, source: str, problems: ProblemLog) -> list[Record]:
     records = []
     # Split on "\n" only: str.splitlines() would also split on U+2028, which JSON strings
     # written with ensure_ascii=False may contain unescaped.
@@ -101,12 +117,16 @@ def _read_json_lines(text: str, source: str) -> list[Record]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(
-                f"{source} row {row}: invalid JSON ({e.msg} at column {e.colno}); each line must "
-                "hold one complete JSON object (a pretty-printed file must be a top-level list "
-                "in a .json file)"
-            ) from None
-        records.append(Record(source, row, _object_or_error(value, source, row)))
+            problems.error(Problem(
+                source, row, None, f"invalid JSON ({e.msg} at column {e.colno})",
+                "each line must hold one complete JSON object (a pretty-printed file must be a "
+                "top-level list in a .json file)", kind="invalid_json"))
+            continue
+        what = _not_an_object(value)
+        if what is not None:
+            problems.error(Problem(source, row, None, what, _OBJECT_FIX, kind="invalid_json"))
+            continue
+        records.append(Record(source, row, value))
     return records
 
 
@@ -116,7 +136,7 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _read_json_list(text: str, source: str) -> list[Record]:
+def _read_json_list(text: str, source: str, problems: ProblemLog) -> list[Record]:
     """Parse a top-level JSON list element by element, to know each element's line."""
     decoder = json.JSONDecoder()
     records = []
@@ -125,7 +145,11 @@ def _read_json_list(text: str, source: str) -> list[Record]:
         while pos < len(text) and text[pos] != "]":
             value, end = decoder.raw_decode(text, pos)
             row = text.count("\n", 0, pos) + 1
-            records.append(Record(source, row, _object_or_error(value, source, row)))
+            what = _not_an_object(value)
+            if what is None:
+                records.append(Record(source, row, value))
+            else:
+                problems.error(Problem(source, row, None, what, _OBJECT_FIX, kind="invalid_json"))
             pos = _skip_ws(text, end)
             if pos < len(text) and text[pos] == ",":
                 pos = _skip_ws(text, pos + 1)
@@ -157,7 +181,22 @@ def _header(fields: list[str], source: str) -> list[str]:
     return names
 
 
-def _read_delimited(text: str, source: str, delimiter: str) -> list[Record]:
+def _field_count(fields: list[str], header: list[str], kind: str) -> tuple[str, str] | None:
+    """(what, fix) for a row with too few or too many fields; None when the count is right."""
+    if len(fields) > len(header):
+        return (f"{len(fields)} fields but the header has {len(header)}",
+                f"a value probably contains an unquoted {kind} — put that value in double "
+                "quotes or remove the extra separator")
+    if len(fields) < len(header):
+        missing = ", ".join(repr(name) for name in header[len(fields):])
+        return (f"{len(fields)} fields but the header has {len(header)} (a short row: no value "
+                f"for {missing})",
+                f"add the missing {kind}s — an empty value still needs its separator — or "
+                "remove the row")
+    return None
+
+
+def _read_delimited(text: str, source: str, delimiter: str, problems: ProblemLog) -> list[Record]:
     kind = "tab" if delimiter == "\t" else "comma"
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
     header: list[str] | None = None
@@ -171,18 +210,17 @@ def _read_delimited(text: str, source: str, delimiter: str) -> list[Record]:
             if header is None:
                 header = _header(fields, source)
                 continue
-            if len(fields) > len(header):
-                raise DataError(
-                    f"{source} row {row}: {len(fields)} fields but the header has "
-                    f"{len(header)}; a value probably contains an unquoted {kind} — put that "
-                    "value in double quotes or remove the extra separator"
-                )
-            fields += [""] * (len(header) - len(fields))
+            wrong = _field_count(fields, header, kind)
+            if wrong is not None:
+                short = len(fields) < len(header)
+                problems.error(Problem(source, row, None, *wrong,
+                                       kind="short_row" if short else "long_row"))
+                continue
             records.append(Record(source, row, dict(zip(header, fields, strict=True))))
     except csv.Error as e:
         raise DataError(
             f"{source} row {reader.line_num}: cannot parse the row ({e}); check its quotes"
         ) from None
-    if header is not None and not records:
+    if header is not None and not records and problems.ok:
         raise DataError(f"{source}: the file has a header but no data rows")
     return records

@@ -3,6 +3,10 @@
 Every column that is not the prompt travels with the example in `columns` and reaches the
 reward functions as a keyword argument (TRL-style), so `correct_answer` or `reasoning` are
 available where scores are computed.
+
+Every problem of every row is recorded in a `ProblemLog` (file, row, column, value, fix) and
+reported at once; values read differently from how they are written (an answer `b` read as
+`B`, stripped whitespace) are counted as warnings, or are errors in strict mode.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from mogrpo.data.problems import NO_VALUE, Problem, ProblemLog
 from mogrpo.data.readers import Record, read_records
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.templates import placeholders
@@ -44,6 +49,8 @@ _REQUIRED_HINT = {
     "multiple_choice": "format 'multiple_choice' needs 'question', 'option_A', 'option_B', … "
     "and 'correct_answer' columns",
 }
+_EMPTY_FIX = ("fill it, remove the row, or set `drop_incomplete: true` to skip rows with empty "
+              "fields")
 
 
 @dataclass
@@ -55,12 +62,42 @@ class Example:
     source: str
 
 
-class _Incomplete(Exception):
-    """A required field of a row is empty (the row may be dropped)."""
+class _RowFailed(Exception):
+    """The row cannot be read further; its problems are recorded in its `_Row`."""
 
-    def __init__(self, column: str) -> None:
-        super().__init__(column)
-        self.column = column
+
+class _TemplateProblem(Exception):
+    """prompt_template cannot be filled in for a row: (what, fix)."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(f"{what}; {fix}")
+        self.what, self.fix = what, fix
+
+
+class _Row:
+    """One record being parsed: its problems, empty fields and repaired values, recorded."""
+
+    def __init__(self, rec: Record) -> None:
+        self.rec = rec
+        self.data = rec.data
+        self.errors: list[tuple[Problem, bool]] = []  # (problem, merge with repeats)
+        self.empty: list[str] = []
+        self.repaired: list[tuple[str, Any, Any, list[str]]] = []  # column, raw, read as, kinds
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.empty
+
+    def bad(self, column: str | None, what: str, fix: str, *, value: Any = NO_VALUE,
+            merge: bool = False) -> None:
+        """Record a problem; `merge` for one that repeats on every row (a header problem)."""
+        problem = Problem(self.rec.source, self.rec.row, column, what, fix, value)
+        self.errors.append((problem, merge))
+
+    def fail(self, column: str | None, what: str, fix: str, *, value: Any = NO_VALUE,
+             merge: bool = False) -> NoReturn:
+        self.bad(column, what, fix, value=value, merge=merge)
+        raise _RowFailed
 
 
 def normalize_choice_letter(value: Any) -> str | None:
@@ -69,6 +106,23 @@ def normalize_choice_letter(value: Any) -> str | None:
         return None
     match = _ANSWER_LETTER.fullmatch(value.translate(_FULLWIDTH))
     return match.group(1).upper() if match else None
+
+
+def _answer_repairs(raw: str) -> list[str]:
+    """Which normalisations turned `raw` into its letter (keys of NORMALISATIONS)."""
+    kinds = []
+    stripped = raw.strip()
+    if stripped != raw:
+        kinds.append("whitespace")
+    ascii_ = stripped.translate(_FULLWIDTH)
+    if ascii_ != stripped:
+        kinds.append("full_width")
+    letter = _ANSWER_LETTER.fullmatch(ascii_).group(1)  # type: ignore[union-attr]
+    if ascii_ != letter:
+        kinds.append("decoration")
+    if letter.islower():
+        kinds.append("case")
+    return kinds
 
 
 def render_multiple_choice(
@@ -84,17 +138,19 @@ def render_multiple_choice(
     to answer with a letter. A custom `template` uses `{question}`, `{options}` (the option
     block) and any column name in `columns` as str.format placeholders.
     """
-    return _render_mc(question, options, template, columns or {}, where="prompt_template")
+    try:
+        return _render_mc(question, options, template, columns or {})
+    except _TemplateProblem as e:
+        raise DataError(f"prompt_template: {e}") from None
 
 
 def _render_mc(
-    question: str, options: Mapping[str, str], template: str | None,
-    columns: Mapping[str, Any], where: str,
+    question: str, options: Mapping[str, str], template: str | None, columns: Mapping[str, Any],
 ) -> str:
     block = "\n".join(f"{letter}. {text}" for letter, text in options.items())
     if template is None:
         return f"{question}\n{block}\n{MC_INSTRUCTION}"
-    return _format(template, {**columns, "question": question, "options": block}, where)
+    return _format(template, {**columns, "question": question, "options": block})
 
 
 def _template_fields(template: str) -> list[str]:
@@ -117,21 +173,26 @@ def _template_fields(template: str) -> list[str]:
     return roots
 
 
-def _format(template: str, values: Mapping[str, Any], where: str) -> str:
+def _format(template: str, values: Mapping[str, Any]) -> str:
     for name in _template_fields(template):
         if name not in values:
-            raise DataError(
-                f"{where}: prompt_template uses the placeholder {{{name}}} but there is no such "
-                f"column; available placeholders: {', '.join(values)}. Fix the template or add "
-                "the column"
-            )
+            raise _TemplateProblem(
+                f"prompt_template uses the placeholder {{{name}}} but there is no such column; "
+                f"available placeholders: {', '.join(values)}",
+                "fix the template or add the column")
     try:
         return template.format_map(values)
     except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
-        raise DataError(
-            f"{where}: prompt_template cannot be filled in ({type(e).__name__}: {e}); use plain "
-            "{column} placeholders"
-        ) from None
+        raise _TemplateProblem(f"prompt_template cannot be filled in ({type(e).__name__}: {e})",
+                               "use plain {column} placeholders") from None
+
+
+def _fill(row: _Row, render: Any) -> str:
+    """Run a template rendering; a problem with it fails the row (once per file, merged)."""
+    try:
+        return render()
+    except _TemplateProblem as e:
+        row.fail(None, e.what, e.fix, merge=True)
 
 
 def _is_empty(value: Any) -> bool:
@@ -144,152 +205,156 @@ def _is_empty(value: Any) -> bool:
     return False
 
 
-def _missing(rec: Record, column: str, where: str, fmt: str) -> DataError:
-    return DataError(
-        f"{where}: required column {column!r} is missing; the row has columns: "
-        f"{', '.join(rec.data) or '(none)'}. {_REQUIRED_HINT[fmt]}"
-    )
-
-
-def _required(rec: Record, column: str, where: str, fmt: str) -> Any:
-    if column not in rec.data:
-        raise _missing(rec, column, where, fmt)
-    value = rec.data[column]
+def _required(row: _Row, column: str, fmt: str) -> Any:
+    """The column's value; None (recorded) when the column is missing or the value empty."""
+    if column not in row.data:
+        row.bad(column, f"required column is missing (the row has columns: "
+                f"{', '.join(row.data) or '(none)'})", _REQUIRED_HINT[fmt], merge=True)
+        return None
+    value = row.data[column]
     if _is_empty(value):
-        raise _Incomplete(column)
+        row.empty.append(column)
+        return None
     return value
 
 
-def _required_text(rec: Record, column: str, where: str, fmt: str) -> str:
-    value = _required(rec, column, where, fmt)
+def _required_text(row: _Row, column: str, fmt: str) -> str | None:
+    value = _required(row, column, fmt)
+    if value is None:
+        return None
     if isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
-        raise DataError(
-            f"{where}: column {column!r} must be text but is a {type(value).__name__}; "
-            "fix the row or remove it"
-        )
-    return value.strip()
+        row.bad(column, f"must be text but is a {type(value).__name__}",
+                "fix the row or remove it", value=value)
+        return None
+    stripped = value.strip()
+    if stripped != value:
+        row.repaired.append((column, value, stripped, ["whitespace"]))
+    return stripped
 
 
-def _option_columns(rec: Record, where: str) -> dict[str, str]:
+def _option_columns(row: _Row) -> dict[str, str]:
     """Option letter → column name, checking the letters run A, B, C, … without gaps."""
     found: dict[str, str] = {}
-    for key in rec.data:
+    for key in row.data:
         match = _OPTION_COLUMN.fullmatch(key)
         if not match:
             continue
         letter = match.group(1).upper()
         if letter in found:
-            raise DataError(f"{where}: both {found[letter]!r} and {key!r} are present; keep one")
+            row.fail(key, f"both {found[letter]!r} and {key!r} are present", "keep one",
+                     merge=True)
         found[letter] = key
     letters = sorted(found)
     if len(letters) < 2:
-        raise DataError(
-            f"{where}: a multiple-choice row needs at least two option columns (option_A, "
-            f"option_B, …); found {', '.join(found.values()) or 'none'}"
-        )
+        row.fail(None, "a multiple-choice row needs at least two option columns (option_A, "
+                 f"option_B, …); found {', '.join(found.values()) or 'none'}",
+                 "add the option columns", merge=True)
     expected = string.ascii_uppercase[: len(letters)]
     if "".join(letters) != expected:
         gap = next(c for c in expected if c not in found)
-        raise DataError(
-            f"{where}: option columns {', '.join(letters)} skip option_{gap}; option letters "
-            "must run from A without gaps — rename the columns"
-        )
+        row.fail(None, f"option columns {', '.join(letters)} skip option_{gap}",
+                 "option letters must run from A without gaps — rename the columns", merge=True)
     return {letter: found[letter] for letter in letters}
 
 
-def _parse_multiple_choice(rec: Record, where: str, template: str | None, *,
-                           require_answer: bool = True) -> Example:
-    fmt = "multiple_choice"
-    question = _required_text(rec, "question", where, fmt)
-    option_columns = _option_columns(rec, where)
-    options = {
-        letter: _required_text(rec, column, where, fmt) for letter, column in option_columns.items()
-    }
-    raw = rec.data.get("correct_answer")
-    if require_answer:
-        raw = _required(rec, "correct_answer", where, fmt)
-    answer = None if _is_empty(raw) else normalize_choice_letter(raw)
-    if answer not in options and not (answer is None and _is_empty(raw)):
+def _answer(row: _Row, options: Mapping[str, str | None], require: bool) -> str | None:
+    """The row's correct_answer as an option letter (None when absent and not required)."""
+    raw = _required(row, "correct_answer", "multiple_choice") if require \
+        else row.data.get("correct_answer")
+    if _is_empty(raw):
+        return None
+    answer = normalize_choice_letter(raw)
+    if answer not in options:
         letters = next(iter(options)) + "–" + next(reversed(options))
-        hint = " (write just the letter, e.g. 'B')" if answer is None else ""
-        raise DataError(
-            f"{where}: column 'correct_answer' is {raw!r} but the options are {letters}{hint}; "
-            "fix the row or remove it"
-        )
+        if answer is not None:
+            what, fix = f"not one of the options {letters}", f"write one of {letters}"
+        else:
+            what = f"not an option letter (the options are {letters})"
+            fix = f"write just the letter, e.g. {list(options)[1]!r}"
+        row.bad("correct_answer", what, fix + ", or remove the row", value=raw)
+        return None
+    if raw != answer:
+        row.repaired.append(("correct_answer", raw, answer, _answer_repairs(raw)))
+    return answer
+
+
+def _parse_multiple_choice(row: _Row, template: str | None, *,
+                           require_answer: bool = True) -> Example | None:
+    fmt = "multiple_choice"
+    question = _required_text(row, "question", fmt)
+    option_columns = _option_columns(row)
+    options = {
+        letter: _required_text(row, column, fmt) for letter, column in option_columns.items()
+    }
+    answer = _answer(row, options, require_answer)
+    if not row.ok:
+        return None
     taken = {"question", "correct_answer", *option_columns.values()}
     columns = {"question": question, "options": options, "correct_answer": answer}
-    columns.update((k, v) for k, v in rec.data.items() if k not in taken)
-    prompt = _render_mc(question, options, template, rec.data, where)
-    return Example(prompt, columns, f"{rec.source}:{rec.row}")
+    columns.update((k, v) for k, v in row.data.items() if k not in taken)
+    prompt = _fill(row, lambda: _render_mc(question, options, template, row.data))
+    return Example(prompt, columns, f"{row.rec.source}:{row.rec.row}")
 
 
-def _parse_prompt(rec: Record, where: str, template: str | None) -> Example:
+def _parse_prompt(row: _Row, template: str | None) -> Example | None:
     if template is None:
-        value = rec.data.get("prompt")
-        if isinstance(value, list):
-            raise DataError(
-                f"{where}: column 'prompt' holds a list of messages; use format 'chat' or 'auto'"
-            )
-        prompt = _required_text(rec, "prompt", where, "prompt")
+        if isinstance(row.data.get("prompt"), list):
+            row.fail("prompt", "holds a list of messages", "use format 'chat' or 'auto'")
+        prompt = _required_text(row, "prompt", "prompt")
     else:
         for name in _template_fields(template):
-            if name in rec.data:
-                _required(rec, name, where, "prompt")
-        prompt = _format(template, rec.data, where)
-    columns = {k: v for k, v in rec.data.items() if k != "prompt"}
-    return Example(prompt, columns, f"{rec.source}:{rec.row}")
+            if name in row.data:
+                _required(row, name, "prompt")
+        if not row.ok:
+            return None
+        prompt = _fill(row, lambda: _format(template, row.data))
+    if not row.ok:
+        return None
+    columns = {k: v for k, v in row.data.items() if k != "prompt"}
+    return Example(prompt, columns, f"{row.rec.source}:{row.rec.row}")
 
 
-def _messages(value: Any, column: str, where: str) -> list[dict[str, str]]:
+def _messages(row: _Row, value: Any, column: str) -> list[dict[str, str]]:
     if isinstance(value, str):  # CSV/TSV cells hold the conversation as a JSON string
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise DataError(
-                f"{where}: column {column!r} is not valid JSON ({e.msg} at character {e.pos}); "
-                'write the conversation as [{"role": "user", "content": "..."}]'
-            ) from None
+            row.fail(column, f"not valid JSON ({e.msg} at character {e.pos})",
+                     'write the conversation as [{"role": "user", "content": "..."}]')
     if not isinstance(value, list) or not value:
-        raise DataError(
-            f"{where}: column {column!r} must be a non-empty list of "
-            '{"role": ..., "content": ...} messages'
-        )
+        row.fail(column, 'must be a non-empty list of {"role": ..., "content": ...} messages',
+                 "fix the row or remove it", value=value)
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise DataError(
-                f"{where}: {column}[{i}] must be an object with a text 'content' and a 'role'; "
-                f"got {message!r:.80}"
-            )
+            row.fail(column, f"{column}[{i}] must be an object with a text 'content' and a "
+                     f"'role'; got {message!r:.80}", "fix the row or remove it")
         if message.get("role") not in CHAT_ROLES:
-            raise DataError(
-                f"{where}: {column}[{i}] has role {message.get('role')!r}; roles must be "
-                f"{', '.join(CHAT_ROLES)}"
-            )
+            row.fail(column, f"{column}[{i}] has role {message.get('role')!r}; roles must be "
+                     f"{', '.join(CHAT_ROLES)}", "fix the row or remove it")
         messages.append({"role": message["role"], "content": message["content"]})
     return messages
 
 
-def _parse_chat(rec: Record, where: str, template: str | None) -> Example:
-    column = "messages" if "messages" in rec.data or "prompt" not in rec.data else "prompt"
-    messages = _messages(_required(rec, column, where, "chat"), column, where)
-    columns = {k: v for k, v in rec.data.items() if k != column}
+def _parse_chat(row: _Row, template: str | None) -> Example | None:
+    column = "messages" if "messages" in row.data or "prompt" not in row.data else "prompt"
+    value = _required(row, column, "chat")
+    if value is None:
+        return None
+    messages = _messages(row, value, column)
+    columns = {k: v for k, v in row.data.items() if k != column}
     if messages[-1]["role"] == "assistant":
         # A finished conversation: everything before the last reply is the prompt and the
         # reply becomes the `completion` column (the SFT target).
         if "completion" in columns:
-            raise DataError(
-                f"{where}: {column!r} ends with an assistant message and the row also has a "
-                "'completion' column; keep only one of them"
-            )
+            row.fail(column, "ends with an assistant message and the row also has a "
+                     "'completion' column", "keep only one of them")
         if len(messages) == 1:
-            raise DataError(
-                f"{where}: {column!r} holds only an assistant message; add the user turn"
-            )
+            row.fail(column, "holds only an assistant message", "add the user turn")
         columns["completion"] = messages.pop()["content"]
-    return Example(messages, columns, f"{rec.source}:{rec.row}")
+    return Example(messages, columns, f"{row.rec.source}:{row.rec.row}")
 
 
 _PARSERS = {
@@ -299,7 +364,7 @@ _PARSERS = {
 }
 
 
-def _detect_format(records: list[Record]) -> str:
+def detect_format(records: list[Record]) -> str:
     keys = set().union(*(r.data for r in records))
     if "question" in keys and ({"option_A", "option_a"} & keys):
         return "multiple_choice"
@@ -308,26 +373,39 @@ def _detect_format(records: list[Record]) -> str:
     return "prompt"
 
 
-def parse_examples(
+def _parse_row(rec: Record, parse: Any, template: str | None) -> tuple[_Row, Example | None]:
+    """The row's findings, and its Example when it has no problem."""
+    row = _Row(rec)
+    reserved = [c for c in RESERVED_COLUMNS if c in rec.data]
+    if reserved:
+        row.bad(reserved[0], "has a name mogrpo passes to reward functions itself "
+                f"({', '.join(RESERVED_COLUMNS)})", "rename the column", merge=True)
+        return row, None
+    try:
+        example = parse(row, template)
+    except _RowFailed:
+        return row, None
+    return row, example if row.ok else None
+
+
+def collect_examples(
     records: list[Record],
+    problems: ProblemLog,
     *,
     format: str = "auto",
     prompt_template: str | None = None,
     drop_incomplete: bool = False,
     require_answer: bool = True,
-) -> list[Example]:
-    """Validate records and build examples in `format` (one of DATA_FORMATS).
+) -> tuple[list[Example], list[tuple[Record, str]]]:
+    """Parse every record, recording each problem in `problems` instead of raising.
 
-    A row with an empty required field is an error naming the row and column, or, with
-    `drop_incomplete=True`, skipped (the count is logged once). `require_answer=False` accepts
-    multiple-choice rows without a `correct_answer` (a test set to predict); theirs is None.
+    Returns the good examples and the rows dropped for empty fields (`drop_incomplete`) with
+    their first empty column. Config mistakes (format, template syntax) still raise at once.
     """
     if format not in DATA_FORMATS:
         raise ConfigError(f"unknown data format {format!r}; choose one of {', '.join(DATA_FORMATS)}")
-    if not records:
-        raise DataError("no data rows to parse; check `tasks.<name>.data`")
-    fmt = _detect_format(records) if format == "auto" else format
-    if format == "auto":
+    fmt = detect_format(records) if format == "auto" else format
+    if format == "auto" and records:
         log.info("%s: detected data format %r", records[0].source, fmt)
     if prompt_template is not None:
         if fmt == "chat":
@@ -342,16 +420,51 @@ def parse_examples(
     examples: list[Example] = []
     dropped: list[tuple[Record, str]] = []
     for rec in records:
-        try:
-            examples.append(_parse_one(parse, rec, prompt_template))
-        except _Incomplete as e:
-            if not drop_incomplete:
-                raise DataError(
-                    f"{rec.source} row {rec.row}: column {e.column!r} is empty; fill it, remove the row, or set "
-                    "`drop_incomplete: true` to skip rows with empty fields (the row has columns: "
-                    f"{', '.join(rec.data)})"
-                ) from None
-            dropped.append((rec, e.column))
+        row, example = _parse_row(rec, parse, prompt_template)
+        if example is not None:
+            for column, raw, new, kinds in row.repaired:
+                problems.normalised(rec.source, rec.row, column, raw, new, kinds)
+            examples.append(example)
+            continue
+        for problem, merge in row.errors:
+            problems.error(problem, merge)
+        if drop_incomplete:
+            if not row.errors:
+                dropped.append((rec, row.empty[0]))
+            continue
+        for column in row.empty:
+            problems.error(Problem(rec.source, rec.row, column, "empty", _EMPTY_FIX,
+                                   rec.data.get(column), kind="empty"))
+    return examples, dropped
+
+
+def parse_examples(
+    records: list[Record],
+    *,
+    format: str = "auto",
+    prompt_template: str | None = None,
+    drop_incomplete: bool = False,
+    require_answer: bool = True,
+    strict: bool = False,
+    problems: ProblemLog | None = None,
+) -> list[Example]:
+    """Validate records and build examples in `format` (one of DATA_FORMATS).
+
+    Every problem of every row is raised together in one DataError (file, row, column, value,
+    fix). A row with an empty required field is such a problem, or, with
+    `drop_incomplete=True`, skipped (the count is logged once). `require_answer=False` accepts
+    multiple-choice rows without a `correct_answer` (a test set to predict); theirs is None.
+    Normalised values are logged as warnings, or are errors with `strict`. Pass `problems`
+    to report them together with the reader's (see `load_examples`).
+    """
+    problems = ProblemLog(strict) if problems is None else problems
+    if not records and problems.ok:
+        raise DataError("no data rows to parse; check `tasks.<name>.data`")
+    examples, dropped = collect_examples(
+        records, problems, format=format, prompt_template=prompt_template,
+        drop_incomplete=drop_incomplete, require_answer=require_answer)
+    problems.raise_errors()
+    problems.log_warnings(log)
     if dropped:
         first, column = dropped[0]
         log.warning(
@@ -367,40 +480,24 @@ def parse_examples(
     return examples
 
 
-def _parse_one(parse: Any, rec: Record, prompt_template: str | None) -> Example:
-    where = f"{rec.source} row {rec.row}"
-    reserved = [c for c in RESERVED_COLUMNS if c in rec.data]
-    if reserved:
-        raise DataError(
-            f"{where}: column {reserved[0]!r} has a name mogrpo passes to reward functions "
-            f"itself ({', '.join(RESERVED_COLUMNS)}); rename the column"
-        )
-    return parse(rec, where, prompt_template)
-
-
-def detect_format(records: list[Record]) -> str:
-    """The format `auto` resolves to for these records."""
-    return _detect_format(records)
-
-
 def parse_row(rec: Record, format: str, *, prompt_template: str | None = None,
-              drop_incomplete: bool = False) -> Example | None:
-    """One record of a known format (a streamed row), with the checks of `parse_examples`;
-    None for an incomplete row when `drop_incomplete`."""
-    try:
-        return _parse_one(_PARSERS[format], rec, prompt_template)
-    except _Incomplete as e:
-        if not drop_incomplete:
-            raise DataError(
-                f"{rec.source} row {rec.row}: column {e.column!r} is empty; fill it, remove the "
-                "row, or set `drop_incomplete: true` to skip rows with empty fields"
-            ) from None
-        return None
+              drop_incomplete: bool = False, strict: bool = False) -> Example | None:
+    """One record of a known format (a streamed row), with the rules of `parse_examples`;
+    None for an incomplete row when `drop_incomplete`. Its problems raise at once (a stream
+    has no end to collect them at); repaired values are errors only when `strict`."""
+    problems = ProblemLog(strict)
+    examples, _ = collect_examples([rec], problems, format=format,
+                                   prompt_template=prompt_template,
+                                   drop_incomplete=drop_incomplete)
+    problems.raise_errors()
+    return examples[0] if examples else None
 
 
-def load_examples(path: str | Path, **kwargs: Any) -> list[Example]:
-    """Read a data file and parse it (`kwargs` as for `parse_examples`)."""
-    return parse_examples(read_records(path), **kwargs)
+def load_examples(path: str | Path, *, strict: bool = False, **kwargs: Any) -> list[Example]:
+    """Read a data file and parse it, reporting the reader's and the rows' problems together
+    (`kwargs` as for `parse_examples`)."""
+    problems = ProblemLog(strict)
+    return parse_examples(read_records(path, problems), problems=problems, **kwargs)
 
 
 def split_examples(

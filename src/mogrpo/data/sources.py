@@ -19,6 +19,7 @@ from mogrpo.data.hf import (
     rename,
     stream_records,
 )
+from mogrpo.data.problems import ProblemLog
 from mogrpo.data.readers import SUPPORTED_EXTENSIONS, Record, read_records
 from mogrpo.data.schema import Example, detect_format, parse_examples, parse_row
 from mogrpo.data.synthetic import BUILTIN_PREFIX, builtin_rows
@@ -32,16 +33,19 @@ def is_streaming(spec: Any) -> bool:
     return not isinstance(spec, str) and bool(getattr(spec, "streaming", False))
 
 
-def load_records(spec: Any, seed: int) -> list[Record]:
-    """Every row of `spec` (a path or `builtin:NAME` string, or a `DataSource` section)."""
+def load_records(spec: Any, seed: int, problems: ProblemLog | None = None) -> list[Record]:
+    """Every row of `spec` (a path or `builtin:NAME` string, or a `DataSource` section); a text
+    file's bad rows go to `problems` (raised here without one)."""
     if isinstance(spec, str):
         if spec.startswith(BUILTIN_PREFIX):
             return [Record(spec, i + 1, row) for i, row in enumerate(builtin_rows(spec, seed))]
-        return read_hf_records(HFSource(path=spec)) if is_dataset_path(spec) else read_records(spec)
+        if is_dataset_path(spec):
+            return read_hf_records(HFSource(path=spec))
+        return read_records(spec, problems)
     source = HFSource.from_config(spec)
     if source.path and Path(source.path).suffix.lower() in SUPPORTED_EXTENSIONS:
         # a text file read by mogrpo keeps its line numbers; the mapping renames its columns
-        records = read_records(source.path)
+        records = read_records(source.path, problems)
         check_columns(source, list(dict.fromkeys(k for r in records for k in r.data)))
         return [Record(r.source, r.row, rename(r.data, source.columns)) for r in records]
     return read_hf_records(source)
@@ -59,19 +63,21 @@ class ExampleStream:
     seed: int
     skip_rows: int = 0
     """Rows at the start of the split held out for evaluation."""
+    strict: bool = False
+    """Values mogrpo would repair (answer `b` read as `B`) are errors."""
 
     def __call__(self, epoch: int) -> Iterator[Example]:
         records = stream_records(self.source, seed=self.seed, epoch=epoch,
                                  skip_rows=self.skip_rows)
         for record in records:
             example = parse_row(record, self.format, prompt_template=self.prompt_template,
-                                drop_incomplete=self.drop_incomplete)
+                                drop_incomplete=self.drop_incomplete, strict=self.strict)
             if example is not None:
                 yield example
 
 
 def open_stream(spec: Any, *, task: str, format: str, prompt_template: str | None,
-                drop_incomplete: bool, seed: int, eval_size: int
+                drop_incomplete: bool, seed: int, eval_size: int, strict: bool = False
                 ) -> tuple[list[Example], list[Example], ExampleStream]:
     """(preview, held-out, stream) of a streamed task: the first `eval_size` rows are held out
     and the next `PREVIEW_ROWS` checked now — errors before the model loads — and kept as the
@@ -83,9 +89,11 @@ def open_stream(spec: Any, *, task: str, format: str, prompt_template: str | Non
         raise DataError(f"{source.label}: {len(head)} rows, not more than eval_size "
                         f"{eval_size}; lower `tasks.{task}.eval_size` or add rows")
     fmt = detect_format(head) if format == "auto" else format
-    kwargs = dict(format=fmt, prompt_template=prompt_template, drop_incomplete=drop_incomplete)
+    kwargs = dict(format=fmt, prompt_template=prompt_template, drop_incomplete=drop_incomplete,
+                  strict=strict)
     held_out = parse_examples(head[:eval_size], **kwargs) if eval_size else []
     preview = parse_examples(head[eval_size:], **kwargs)
     task_seed = zlib.crc32(f"{seed}/{task}".encode())
-    stream = ExampleStream(source, fmt, prompt_template, drop_incomplete, task_seed, eval_size)
+    stream = ExampleStream(source, fmt, prompt_template, drop_incomplete, task_seed, eval_size,
+                           strict)
     return preview, held_out, stream

@@ -18,15 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from mogrpo.config import TaskConfig, load_config
+from mogrpo.data.problems import ProblemLog
 from mogrpo.data.readers import read_records
 from mogrpo.data.schema import Example, parse_examples
 from mogrpo.errors import ConfigError, DataError
-from mogrpo.modeling.chat import render_prompt
-from mogrpo.rewards.extract import extract_choice
-from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +58,8 @@ class PromptSettings:
     system_prompt: str | None = None
     use_chat_template: bool | None = None
     drop_incomplete: bool = False
+    strict: bool = False
+    """Values mogrpo would repair (answer `b` read as `B`) are errors, not warnings."""
     max_prompt_length: int | None = None
     """None: what the model's context leaves after max_new_tokens."""
     max_new_tokens: int = 64
@@ -79,15 +77,20 @@ class PromptSettings:
                               f"{', '.join(names)}")
         tc: TaskConfig = config.tasks[name]
         return cls(tc.format, tc.prompt_template, tc.system_prompt,
-                   config.model.use_chat_template, tc.drop_incomplete,
+                   config.model.use_chat_template, tc.drop_incomplete, tc.strict,
                    config.rollout.prompt_length, config.rollout.completion_length)
 
 
 def load_rows(data: Path, settings: PromptSettings) -> list[Example]:
-    """The rows of a multiple-choice file as examples; `correct_answer` may be absent."""
-    examples = parse_examples(read_records(data), format=settings.format,
+    """The rows of a multiple-choice file as examples; `correct_answer` may be absent.
+
+    The same reader and rules as training: every bad row is reported at once, repaired values
+    are warnings (errors with `settings.strict`)."""
+    problems = ProblemLog(strict=settings.strict)
+    examples = parse_examples(read_records(data, problems), format=settings.format,
                               prompt_template=settings.prompt_template,
-                              drop_incomplete=settings.drop_incomplete, require_answer=False)
+                              drop_incomplete=settings.drop_incomplete, require_answer=False,
+                              problems=problems)
     if "options" not in examples[0].columns:
         raise DataError(f"{data}: `mogrpo predict` needs multiple-choice rows (question, "
                         "option_A, option_B, …); this file reads as plain prompts")
@@ -95,7 +98,9 @@ def load_rows(data: Path, settings: PromptSettings) -> list[Example]:
 
 
 def row_ids(examples: list[Example], id_column: str | None) -> list[str]:
-    """Each row's id: the `id_column` value, or the row number when the file has no `id`."""
+    """Each row's id: the `id_column` value, or, when the file has no `id`, the row's line
+    number in the file — the `row N` of every error message (a CSV/TSV header is line 1, so
+    the first data row is 2; blank lines are counted)."""
     column = id_column or "id"
     missing = [ex.source for ex in examples if ex.columns.get(column) in (None, "")]
     if not missing:
@@ -108,7 +113,8 @@ def row_ids(examples: list[Example], id_column: str | None) -> list[str]:
     if id_column is not None:
         raise DataError(f"{missing[0]}: no value in the id column {id_column!r}; give every row "
                         "an id or pick another --id-column")
-    log.info("no `id` column: the submission numbers the rows from 1 (use --id-column to pick one)")
+    log.info("no `id` column: each row's id is its line number in the file, as in error "
+             "messages (the first data row of a CSV/TSV is line 2); use --id-column to pick one")
     return [ex.source.rsplit(":", 1)[-1] for ex in examples]
 
 
@@ -116,6 +122,12 @@ def predict(model: Any, tokenizer: Any, examples: list[Example], ids: list[str],
             settings: PromptSettings, *, batch_size: int = 16, fallback: str = "",
             progress: bool = True) -> list[Prediction]:
     """Greedy completions for every example, the letter of each read by the extractor."""
+    from tqdm.auto import tqdm
+
+    from mogrpo.modeling.chat import render_prompt
+    from mogrpo.rewards.extract import extract_choice
+    from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+
     greedy = SamplingSettings(max_new_tokens=settings.max_new_tokens, greedy=True)
     out: list[Prediction] = []
     show = progress and sys.stderr.isatty()

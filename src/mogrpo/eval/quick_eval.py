@@ -26,6 +26,9 @@ class TaskEval:
     mean_length: float
     num_samples: int
     reward: str
+    score_std: float = float("nan")
+    """Standard deviation of the per-prompt scores: the sampling error of `score` for graded
+    rewards (health.eval_regression; for 0/1 scores it equals the binomial one)."""
     samples: list[tuple[str, str]] = field(default_factory=list)
     """The first few (prompt, greedy completion) pairs, for printing."""
 
@@ -67,12 +70,15 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
             lengths.extend(rollout.lengths.tolist())
             truncated.extend(rollout.truncated.tolist())
             shown.extend(zip(texts, rollout.texts, strict=True))
+        mean = sum(scores) / len(scores) if scores else float("nan")
         results[task.name] = TaskEval(
-            score=sum(scores) / len(scores) if scores else float("nan"),
+            score=mean,
             truncated_frac=sum(truncated) / len(truncated),
             mean_length=sum(lengths) / len(lengths),
             num_samples=len(examples),
             reward=label,
+            score_std=math.sqrt(sum((v - mean) ** 2 for v in scores) / len(scores))
+            if scores else float("nan"),
             samples=shown[:samples],
         )
     return results

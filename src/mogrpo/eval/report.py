@@ -152,9 +152,34 @@ def _signals(run: RunFiles, window: int) -> list[str]:
     return lines
 
 
+def _alert(a: dict[str, Any]) -> list[str]:
+    """One alert: its step and check, then what was seen, the likely causes and the fix."""
+    if not a.get("evidence"):  # written before alerts carried their parts
+        return [f"- {a.get('message')}"]
+    lines = [f"- **step {a.get('step')}, {a.get('check')}** ({a.get('action')})",
+             f"  - evidence: {a['evidence']}"]
+    lines += [f"  - likely ({i}): {c}" for i, c in enumerate(a.get("causes") or [], 1)]
+    if a.get("fix"):
+        lines.append(f"  - fix: {a['fix']}")
+    return lines
+
+
 def _events(run: RunFiles) -> list[str]:
-    alerts = [e for e in run.events if e.get("event") == "health_alert"]
-    lines = [f"- {a.get('message')}" for a in alerts] or ["No health alert."]
+    # summary.json holds every alert (the last eval's too); a run still going has only the log
+    alerts = run.summary.get("health") or [e for e in run.events
+                                           if e.get("event") == "health_alert"]
+    watched = (run.config.get("health") or {}).get("enabled", True)
+    quiet = "No health alert." if watched else \
+        "Health checks were off (`health.enabled: false`): no step was watched."
+    lines = [line for a in alerts for line in _alert(a)] or [quiet]
+    rollbacks = run.summary.get("rollbacks") or [e for e in run.events
+                                                 if e.get("event") == "health_rollback"]
+    for r in rollbacks:
+        lines.append(f"- **step {r.get('step')}: rolled back** to step {r.get('restored_step')} "
+                     f"(`{r.get('checkpoint')}`), learning rate {r.get('lr_before'):.3g} → "
+                     f"{r.get('lr_after'):.3g}")
+    if run.summary.get("best_checkpoint"):
+        lines.append(f"- best checkpoint on the Pareto front: {run.summary['best_checkpoint']}")
     changes = run.summary.get("beta_changes") or []
     if changes:
         lines += ["", f"{len(changes)} β change(s); the last: `{changes[-1]}`"]
@@ -183,8 +208,24 @@ def _speed(run: RunFiles) -> list[str]:
     return lines
 
 
-def build_report(run_dir: str | Path, window: int = 10) -> str:
-    """The Markdown report of the run in `run_dir`."""
+def _charts(charts: dict[str, str] | None) -> list[str]:
+    """Image links to the drawn charts, or the one line that says how to get them."""
+    from mogrpo.eval.report_charts import CHARTS, INSTALL_HINT, TITLES, available
+
+    if charts is None:
+        if not available():
+            return [f"Charts: install matplotlib (`{INSTALL_HINT}`), then `mogrpo report "
+                    "RUN_DIR` draws them beside this file."]
+        return ["Charts: `mogrpo report RUN_DIR` draws them beside this file."]
+    if not charts:
+        return ["No data to chart yet."]
+    return [f"![{TITLES[name]}]({charts[name]})\n" for name in CHARTS if name in charts]
+
+
+def build_report(run_dir: str | Path, window: int = 10,
+                 charts: dict[str, str] | None = None) -> str:
+    """The Markdown report of the run in `run_dir`; `charts` maps drawn charts to their paths
+    relative to the report (None: a line saying how to draw them)."""
     run = RunFiles(Path(run_dir))
     sections = [
         (f"# Run report: {run.dir.name}", [_status(run)]),
@@ -193,5 +234,7 @@ def build_report(run_dir: str | Path, window: int = 10) -> str:
         ("## Training signals", _signals(run, window) if run.steps else ["No steps yet."]),
         ("## Health, KL control, curriculum", _events(run)),
         ("## Speed and memory", _speed(run)),
+        ("## Charts", _charts(charts)),
     ]
-    return "\n\n".join(f"{title}\n\n" + "\n".join(body) for title, body in sections) + "\n"
+    return "\n\n".join(f"{title}\n\n" + "\n".join(body).rstrip()
+                       for title, body in sections) + "\n"

@@ -9,6 +9,7 @@ from pydantic import Field
 from mogrpo.config.base import Section
 
 Action = Literal["warn", "stop"]
+EvalAction = Literal["warn", "stop", "rollback"]
 
 
 class CheckConfig(Section):
@@ -112,6 +113,61 @@ class RewardStalledConfig(CheckConfig):
     """Steps in the moving average the best value is taken over."""
 
 
+class RewardRegressionConfig(CheckConfig):
+    """Thresholds chosen on recorded runs (tests/unit/fixtures/health): they catch issue 18's
+    collapse (sampled reward 0.94 → 0.1 in 40 steps of 16 samples) by step 20 and stay silent
+    on the demo's three seeds and on a healthy lr 1e-5 run."""
+
+    patience: int = Field(2, ge=1)
+    """Consecutive steps the test must hold. Each step's test already compares two windows of
+    `window` steps, so 2 only guards against one step tipping a borderline comparison."""
+    window: int = Field(8, ge=3)
+    """Steps in the recent window and in each reference window (the run's first `window`
+    steps, and the best `window` consecutive steps that ended before the recent window began).
+    8 steps of 16 completions = 128 samples a side; nothing is judged before 2 × window steps."""
+    p_value: float = Field(0.01, gt=0, lt=0.5)
+    """One-sided Mann–Whitney p-value below which the recent window counts as lower than the
+    reference (a rank test: one step's mean of 16 samples is noisy and bounded)."""
+    min_effect: float = Field(2.0, ge=0)
+    """Below the run's first window: the drop of the window means must also be this many times
+    one step's noise (estimated from the run, see `health.stats.StepNoise`)."""
+    best_effect: float = Field(3.0, ge=0)
+    """Below the best window so far, the drop must be this many times one step's noise: the best
+    of a long run's windows sits above the true level by its noise (of 100 simulated flat runs
+    of 250 steps, 2× alerted in 10, 3× in none; a 0.9 → 0.5 fall is still caught)."""
+    min_drop: float = Field(0.05, ge=0)
+    """The drop × the objective's weight must also be at least this much: the task's reward
+    falls by that much (a deterministic reward has no noise; a format bonus of weight 0.1
+    dipping by 0.15 early in the demo is no regression)."""
+    kl_growth: float = Field(1.5, gt=1)
+    """Tasks with a fixed β: the alert adds the KL signal when the recent window's median KL
+    is at least this × the reference window's (and higher by the same rank test)."""
+    min_kl: float = Field(0.01, ge=0)
+    """KL below this is not called grown (0.001 → 0.003 means nothing)."""
+
+
+class EvalRegressionConfig(CheckConfig):
+    patience: int = Field(1, ge=1)
+    """Consecutive quick-evals below the start or the best (evals are 20–50 steps apart)."""
+    action: EvalAction = "warn"
+    """`warn`; `stop`: end the run and name the best checkpoint on the Pareto front;
+    `rollback`: restore that checkpoint, multiply the learning rate by `lr_factor` and go on
+    (a checkpoint is then saved before GRPO and at every eval, so one exists to go back to)."""
+    z: float = Field(2.33, gt=0)
+    """Below the start by more than z × the sampling error of the two scores (binomial
+    √(p(1-p)/n) on the eval size, or the scores' std): 2.33 = one-sided 99 %."""
+    min_drop: float = Field(0.02, ge=0)
+    """The drop below the start must also be at least this much (score units): 1 prompt of 50
+    is no regression."""
+    best_margin: float = Field(0.1, ge=0)
+    """Below the best eval so far by more than this (and z × the sampling error): the best of
+    several evals is biased upward by their noise, so it needs a margin of its own."""
+    lr_factor: float = Field(0.1, gt=0, lt=1)
+    """`rollback`: the learning rate is multiplied by this (e.g. 1e-4 → 1e-5)."""
+    max_rollbacks: int = Field(2, ge=0)
+    """`rollback`: after this many rollbacks a further regression stops the run."""
+
+
 class HealthConfig(Section):
     enabled: bool = True
     """Watch every step's metrics; alerts go to the log, metrics.jsonl and the run summary."""
@@ -133,3 +189,7 @@ class HealthConfig(Section):
     """Entropy or in-group diversity inconsistent with the sampling temperature."""
     reward_stalled: RewardStalledConfig = Field(default_factory=RewardStalledConfig)
     """No improvement of a task's reward over a long window."""
+    reward_regression: RewardRegressionConfig = Field(default_factory=RewardRegressionConfig)
+    """A task's objective falls below its best window (with KL growth, for a fixed β)."""
+    eval_regression: EvalRegressionConfig = Field(default_factory=EvalRegressionConfig)
+    """A quick-eval score below the start or the best eval by more than its sampling error."""

@@ -5,6 +5,10 @@ Each check has a threshold, a patience (consecutive steps the condition must hol
 `non_finite` the number of bad steps) and an action: `warn` records and logs the alert, `stop`
 also asks the trainer to end the run. An alert fires once when its patience is reached and
 re-arms when the condition clears.
+
+Two checks ask whether the run is getting *worse* (`reward_regression`, `eval_regression`,
+see `mogrpo.health.regression`); `eval_regression` may also ask the trainer to roll back to
+the best checkpoint (`rollback_alert`).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mogrpo.errors import MogrpoError
+from mogrpo.errors import ExitCode, MogrpoError
 from mogrpo.health.config import HealthConfig
+from mogrpo.health.regression import EvalRegression, Finding, RewardRegression, RunFacts
 from mogrpo.tracking import names
 
 
@@ -35,16 +40,29 @@ class StepContext:
     kl_budgets: dict[str, float] = field(default_factory=dict)
     """Per task, the KL its controller steers toward (band `high`, proportional `target`):
     KL growing up to its budget is what the user asked for, not an explosion."""
+    full_finetune: bool | None = None
+    """All weights trained (True) or adapters (False): the learning rate a regression alert
+    calls too high, and suggests, depends on it."""
+    learning_rate: float | None = None
+    """The run's peak learning rate (train.learning_rate, × lr_factor per rollback), which a
+    fix names; None = this step's `lr` (lower during warm-up)."""
 
 
 @dataclass
 class Alert:
-    """One fired check: a readable one-line message and what the trainer should do."""
+    """One fired check: a readable one-line message and what the trainer should do, with the
+    message's parts for the report: what was seen, the likely causes (most likely first, each
+    with its fix) and the fix to try first."""
 
     check: str
     step: int
     message: str
     action: str
+    evidence: str = ""
+    causes: list[str] = field(default_factory=list)
+    fix: str = ""
+    best_step: int | None = None
+    """eval_regression: the evaluated step to go back to (best on the Pareto front)."""
 
     def as_event(self) -> dict[str, Any]:
         """The record written to metrics.jsonl next to the step's metrics."""
@@ -54,7 +72,7 @@ class Alert:
 class HealthStop(MogrpoError):
     """A `stop` check fired; raised by the trainer after saving its checkpoint and metrics."""
 
-    exit_code = 3
+    exit_code = ExitCode.FOUND_PROBLEM
 
     def __init__(self, alerts: list[Alert]) -> None:
         self.alerts = alerts
@@ -63,8 +81,23 @@ class HealthStop(MogrpoError):
             f"health.{alerts[0].check}.action: warn to only warn)")
 
 
+def _split(text: str) -> tuple[str, list[str], str]:
+    """A message `EVIDENCE. Likely: CAUSES. Try: FIX` as its three parts."""
+    evidence, _, rest = text.partition(". Likely: ")
+    causes, _, fix = rest.partition(". Try: ")
+    if not rest:
+        evidence, _, fix = text.partition(". Try: ")
+    return evidence, [causes] if causes else [], fix
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
+
+
+CHECKS = ("not_learning", "reward_regression", "eval_regression", "kl_explosion",
+          "length_collapse", "truncation", "no_signal", "non_finite", "grad_spike",
+          "sampling_ignored", "reward_stalled")
+"""Every check, in the order they run on a step."""
 
 
 class HealthMonitor:
@@ -80,11 +113,21 @@ class HealthMonitor:
         self._skipped = 0.0
         self._steps = 0
         self._stop = False
+        self._rollback: Alert | None = None
+        self.rollbacks = 0
+        self.reward_regression = RewardRegression(self.config.reward_regression)
+        self._kl_told: list[str] = []  # tasks whose reward alert holds their KL growth
+        self.eval_regression = EvalRegression(self.config.eval_regression)
 
     @property
     def should_stop(self) -> bool:
         """True once a `stop` check has fired in this process (a resumed run starts afresh)."""
         return self._stop
+
+    @property
+    def rollback_alert(self) -> Alert | None:
+        """The `rollback` alert of the last observed step, if one fired."""
+        return self._rollback
 
     def observe(self, step: int, metrics: Mapping[str, Any],
                 context: StepContext | Mapping[str, Any] | None = None) -> list[Alert]:
@@ -94,17 +137,44 @@ class HealthMonitor:
         ctx = StepContext(**context) if isinstance(context, Mapping) else context or StepContext()
         self._steps += 1
         fired: list[Alert] = []
-        checks: list[tuple[str, Callable[..., None]]] = [
-            ("not_learning", self._not_learning), ("kl_explosion", self._kl_explosion),
-            ("length_collapse", self._length_collapse), ("truncation", self._truncation),
-            ("no_signal", self._no_signal), ("non_finite", self._non_finite),
-            ("grad_spike", self._grad_spike), ("sampling_ignored", self._sampling_ignored),
-            ("reward_stalled", self._reward_stalled)]
-        for name, check in checks:
+        for name in CHECKS:
             if getattr(self.config, name).enabled:
+                check: Callable[..., None] = getattr(self, f"_{name}")
                 check(step, metrics, ctx, fired)
+        return self._record(fired)
+
+    def observe_eval(self, step: int, metrics: Mapping[str, Any], final: bool = False
+                     ) -> list[Alert]:
+        """Feed a quick-eval that is not part of a training step: the one before GRPO, or
+        the one after it (`final`: its alerts only warn, the run is over)."""
+        if not (self.config.enabled and self.config.eval_regression.enabled):
+            return []
+        fired: list[Alert] = []
+        self._eval_regression(step, metrics, StepContext(), fired)
+        for alert in fired:
+            alert.action = "warn" if final else alert.action
+        return self._record(fired)
+
+    def stop(self) -> None:
+        """End the run at this step (a rollback that found nothing to go back to)."""
+        self._stop = True
+        self._rollback = None
+
+    def note_rollback(self, step: int, restored: int) -> None:
+        """The trainer went back to step `restored` at `step`: the reward windows start afresh
+        and step `step`'s checkpoint (saved after the rollback) is no longer its eval's."""
+        self.rollbacks += 1
+        self.reward_regression.reset()
+        # a regression after the rollback is a new one: it must be able to fire again
+        self._streak = {k: v for k, v in self._streak.items()
+                        if not k.startswith(("reward_regression:", "eval_regression:"))}
+        self.eval_regression.overwritten.append(step)
+        self._rollback = None
+
+    def _record(self, fired: list[Alert]) -> list[Alert]:
         self.alerts.extend(fired)
         self._stop = self._stop or any(a.action == "stop" for a in fired)
+        self._rollback = next((a for a in fired if a.action == "rollback"), None)
         return fired
 
     # ---------------------------------------------------------------- helpers
@@ -120,7 +190,20 @@ class HealthMonitor:
 
     def _fire(self, check: str, step: int, text: str, fired: list[Alert]) -> None:
         action = getattr(self.config, check).action
-        fired.append(Alert(check, step, f"[health] {check} at step {step}: {text}", action))
+        evidence, causes, fix = _split(text)
+        fired.append(Alert(check, step, f"[health] {check} at step {step}: {text}", action,
+                           evidence, causes, fix))
+
+    def _fire_finding(self, check: str, step: int, finding: Finding, fired: list[Alert],
+                      action: str | None = None) -> None:
+        """An alert from a regression finding: causes numbered, most likely first."""
+        action = action or getattr(self.config, check).action
+        numbered = " ".join(f"({i}) {c};" for i, c in enumerate(finding.causes, 1)).rstrip(";")
+        message = (f"[health] {check} at step {step}: {finding.evidence}. Likely, most likely "
+                   f"first: {numbered}")
+        fix = finding.causes[0].partition(" → ")[2] if finding.causes else ""
+        fired.append(Alert(check, step, message, action, finding.evidence,
+                           list(finding.causes), fix, finding.best_step))
 
     def _push(self, key: str, value: float, window: int) -> list[float]:
         """The history of `key` before this value; appends it, keeping `window` values."""
@@ -174,7 +257,9 @@ class HealthMonitor:
             base = statistics.median(before[: len(before) // 2]) if full else math.inf
             # with a budget, the controller owns KL's course: only the ceiling applies
             growing = (not budget and full and level >= cfg.min_kl
-                       and level > cfg.growth_factor * base)
+                       and level > cfg.growth_factor * base
+                       and not (names.task_of(key) in self._kl_told
+                                or (key == names.KL and self._kl_told)))
             if not self._held("kl_explosion", key, level > ceiling or growing):
                 continue
             how = (f"above the ceiling {ceiling:g}" if level > ceiling else
@@ -188,6 +273,41 @@ class HealthMonitor:
                 "than sampling, or a reference that is not the starting model. Try: raise this "
                 "task's beta or kl.kind: band, a lower train.learning_rate, "
                 "algorithm.kl_estimator: k3"), fired)
+
+    def _reward_regression(self, step: int, m: Mapping[str, Any], ctx: StepContext,
+                           fired: list[Alert]) -> None:
+        lr = ctx.learning_rate or (ctx.lr if ctx.lr is not None else m.get(names.LR))
+        falling: set[str] = set()
+        seen = self.reward_regression.observe(step, m)
+        for key, (task, objective) in sorted(seen.items()):
+            beta = m.get(names.TASK_BETA.of(task))
+            facts = RunFacts(lr=lr if _finite(lr) else None, full_finetune=ctx.full_finetune,
+                             fixed_beta=task not in ctx.kl_budgets,
+                             beta=beta if _finite(beta) else None)
+            finding = self.reward_regression.test(task, objective, facts)
+            if finding is not None:
+                falling.add(task)
+            if self._held("reward_regression", key, finding is not None):
+                self._fire_finding("reward_regression", step, finding, fired)
+                if finding.kl_grew and task not in self._kl_told:
+                    self._kl_told.append(task)
+        # while a task's reward keeps falling, its KL growth has been said: kl_explosion's
+        # growth test stays quiet for it (one alert with both signals, not two)
+        tasks = {task for task, _ in seen.values()}
+        self._kl_told = [t for t in self._kl_told if t in falling or t not in tasks]
+
+    def _eval_regression(self, step: int, m: Mapping[str, Any], ctx: StepContext,
+                         fired: list[Alert]) -> None:
+        cfg = self.config.eval_regression
+        for task, finding in sorted(self.eval_regression.observe(step, m).items()):
+            if not self._held("eval_regression", task, finding is not None):
+                continue
+            action = cfg.action
+            if action == "rollback" and self.rollbacks >= cfg.max_rollbacks:
+                action = "stop"
+                finding.causes.append(f"{self.rollbacks} rollback(s) did not help "
+                                      "(health.eval_regression.max_rollbacks) → the run stops")
+            self._fire_finding("eval_regression", step, finding, fired, action)
 
     def _length_collapse(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                          fired: list[Alert]) -> None:
@@ -320,11 +440,25 @@ class HealthMonitor:
     # ---------------------------------------------------------------- reporting and state
 
     def summary(self) -> str:
-        """Every alert of the run, one per line, for the end-of-run report."""
+        """Every alert of the run, for the end-of-run log: its step and check, what was seen,
+        the likely causes and the fix to try first; says so when the checks were off (no alert
+        then means nothing was watched, not a healthy run)."""
+        if not self.config.enabled:
+            return "health: checks were off (health.enabled: false); no step was watched"
+        off = [name for name in CHECKS if not getattr(self.config, name).enabled]
+        if len(off) == len(CHECKS):
+            return "health: every check was off (health.CHECK.enabled: false); no step was watched"
+        unwatched = f" (checks off: {', '.join(off)})" if off else ""
         if not self.alerts:
-            return f"health: no alerts in {self._steps} steps"
-        lines = [f"health: {len(self.alerts)} alert(s) in {self._steps} steps"]
-        lines += [f"  step {a.step} {a.check} ({a.action}): {a.message}" for a in self.alerts]
+            return f"health: no alerts in {self._steps} steps{unwatched}"
+        lines = [f"health: {len(self.alerts)} alert(s) in {self._steps} steps{unwatched}"]
+        for a in self.alerts:
+            lines.append(f"  step {a.step} {a.check} ({a.action}): {a.evidence or a.message}")
+            lines += [f"    likely: {c}" for c in a.causes]
+            if a.fix:
+                lines.append(f"    fix: {a.fix}")
+        if self.rollbacks:
+            lines.append(f"  {self.rollbacks} rollback(s) to the best checkpoint")
         return "\n".join(lines)
 
     def state_dict(self) -> dict[str, Any]:
@@ -332,7 +466,10 @@ class HealthMonitor:
         return {"alerts": [asdict(a) for a in self.alerts], "streak": dict(self._streak),
                 "history": {k: list(v) for k, v in self._history.items()},
                 "best": {k: list(v) for k, v in self._best.items()},
-                "nonfinite": self._nonfinite, "skipped": self._skipped, "steps": self._steps}
+                "nonfinite": self._nonfinite, "skipped": self._skipped, "steps": self._steps,
+                "rollbacks": self.rollbacks, "kl_told": list(self._kl_told),
+                "reward_regression": self.reward_regression.state_dict(),
+                "eval_regression": self.eval_regression.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.alerts = [Alert(**a) for a in state["alerts"]]
@@ -341,3 +478,8 @@ class HealthMonitor:
         self._best = {k: list(v) for k, v in state["best"].items()}
         self._nonfinite, self._skipped = state["nonfinite"], state["skipped"]
         self._steps = state["steps"]
+        # states saved before the regression checks existed hold none of theirs
+        self.rollbacks = state.get("rollbacks", 0)
+        self._kl_told = list(state.get("kl_told", []))
+        self.reward_regression.load_state_dict(state.get("reward_regression", {}))
+        self.eval_regression.load_state_dict(state.get("eval_regression", {}))

@@ -8,10 +8,9 @@ from mogrpo.memory.cli import add_parser, cmd_memory, load_model_config, main, p
 from mogrpo.memory.estimate import GIB, MemoryEstimate, Term, estimate, reward_model_configs
 from mogrpo.memory.ladder import Step, ladder
 from mogrpo.memory.measure import peak_bytes, reset_peak
-from mogrpo.modeling.architecture import Architecture
 
 __all__ = [
-    "GIB", "Architecture", "MemoryEstimate", "Step", "Term", "add_parser", "cmd_memory",
+    "GIB", "MemoryEstimate", "Step", "Term", "add_parser", "cmd_memory",
     "estimate", "ladder", "load_model_config", "main", "parse_size", "peak_bytes", "reset_peak",
     "reward_model_configs",
 ]

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from mogrpo.config import load_config
-from mogrpo.errors import ConfigError, ModelError, MogrpoError
+from mogrpo.errors import ConfigError, ExitCode, ModelError, MogrpoError
 from mogrpo.memory.estimate import GIB, estimate, reward_model_configs
 from mogrpo.memory.ladder import ladder
-from mogrpo.modeling.architecture import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "memory", help="estimate a run's peak GPU memory and how to make it fit",
         description="Estimate the peak GPU memory of a run from the model's config.json (no "
         "weights are loaded, nothing is downloaded) and, when it exceeds --gpu-memory, list "
-        "config changes that bring it under, cheapest first. Exit status 1 when it does not fit.")
+        "config changes that bring it under, cheapest first. Exit status 3 when it does not fit.")
     parser.add_argument("config", type=Path, help="YAML config file")
     parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
                         help="GPU memory: 24GB = 24e9 bytes, 24GiB / 24g / 24 = 24 GiB "
@@ -76,9 +75,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """The `mogrpo memory` command: print the table and, when over budget, the ladder."""
+    config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
     import torch
 
-    config, _ = load_config(args.config, args.overrides)
     model_config = load_model_config(config.model.name_or_path,
                                      trust_remote_code=config.model.trust_remote_code)
     gpu = None if args.gpu_memory is None else parse_size(args.gpu_memory)
@@ -86,6 +85,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         gpu = torch.cuda.get_device_properties(0).total_memory
     rms = reward_model_configs(config)
     # the module tree is built (on the meta device) once; the ladder re-estimates many configs
+    from mogrpo.modeling.architecture import Architecture
+
     shape = Architecture.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
     result = estimate(shape, config, reward_models=rms)
     print(result.table())
@@ -105,7 +106,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
               f"GiB\n     cost: {step.cost}\n     --set {' --set '.join(step.overrides)}")
     if not steps or steps[-1].total > gpu:
         print("  still too big: use a smaller model, shorter prompts, or several GPUs (FSDP)")
-    return 1
+    return ExitCode.FOUND_PROBLEM
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_memory(args)
     except MogrpoError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code

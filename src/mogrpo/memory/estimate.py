@@ -45,11 +45,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mogrpo.config import RunConfig, derive_lengths
 from mogrpo.errors import ConfigError, MogrpoError
-from mogrpo.modeling.architecture import Architecture, LinearLayer, lora_targets
+
+if TYPE_CHECKING:  # the module tree is built with torch: imported when an estimate is made
+    from mogrpo.modeling.architecture import Architecture, LinearLayer
 
 GIB = 2**30
 CUDA_OVERHEAD = GIB
@@ -109,6 +111,8 @@ class MemoryEstimate:
 
 def lora_modules(shape: Architecture, target: list[str] | str) -> list[LinearLayer]:
     """The modules LoRA wraps (peft's rules; `all-linear` = every linear but the head)."""
+    from mogrpo.modeling.architecture import lora_targets
+
     return lora_targets(shape.modules, target)
 
 
@@ -156,6 +160,8 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     `reward_models` maps each `fn: reward_model` reward (`tasks.NAME.rewards.I`) to its
     config (see :func:`reward_model_configs`); one left out is not counted, and said so.
     """
+    from mogrpo.modeling.architecture import Architecture
+
     shape = model_config if isinstance(model_config, Architecture) else Architecture.from_config(
         model_config, trust_remote_code=run.model.trust_remote_code)
     mc, lc = run.model, run.lora
@@ -314,6 +320,8 @@ def _reward_model_terms(run: RunConfig, configs: Mapping[str, Any], device: str,
             notes.append(f"reward model {options.get('model')} ({where}) not counted: its "
                          "config.json was not available")
             continue
+        from mogrpo.modeling.architecture import Architecture
+
         shape = Architecture.from_config(config)
         rm_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(options.get("dtype", "auto"),
                                                                    4 if device == "cpu" else w)

@@ -11,6 +11,7 @@ checkpoint, so a resumed run continues in the stage it was in.
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from pydantic import Field, model_validator
 
 from mogrpo.config.base import Section
 from mogrpo.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class UntilConfig(Section):
@@ -153,9 +156,28 @@ class Curriculum:
         return line
 
     def state_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "entered": self.entered, "values": list(self.values),
+        return {"index": self.index, "stage": self.stage.name if self.stage else None,
+                "entered": self.entered, "values": list(self.values),
                 "changes": list(self.changes)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.index, self.entered = int(state["index"]), int(state["entered"])
+        """Continue in the saved stage: found by name when the stages changed on a resume
+        (`--allow-config-change`), else by position; a position the new curriculum does not
+        have is a ConfigError naming the way out."""
+        index, name = int(state["index"]), state.get("stage")
+        names = [stage.name for stage in self.config.stages]
+        if self.active and name in names:
+            index = names.index(name)
+        elif self.active and index >= len(names):
+            saved = f"stage {index + 1}" + (f" ({name!r})" if name else "")
+            rename = f"name one of them {name!r} (the run goes on in it), " if name else ""
+            raise ConfigError(
+                f"the checkpoint is in curriculum {saved}, but the config's curriculum has "
+                f"{len(names)} stage(s): {', '.join(names)}. To continue, {rename}put the "
+                "removed stages back, or start a new run")
+        elif self.active and name is not None:
+            log.warning("curriculum: the checkpoint's stage %r is not in the config; "
+                        "continuing in stage %d (%r), at the same position", name, index + 1,
+                        names[index])
+        self.index, self.entered = index, int(state["entered"])
         self.values, self.changes = list(state["values"]), list(state["changes"])

@@ -16,6 +16,7 @@ from typing import Any
 
 from mogrpo.algo.schedules import WeightSchedule, from_config
 from mogrpo.config import RewardConfig, RunConfig, TaskConfig
+from mogrpo.data.problems import ProblemLog
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_stream
 from mogrpo.errors import DataError
@@ -49,11 +50,14 @@ class Task:
 
 
 def _examples(spec: Any, task: TaskConfig, seed: int) -> list[Example]:
+    """The data's examples; every problem of a file is raised at once (one DataError)."""
+    problems = ProblemLog(strict=task.strict)
     return parse_examples(
-        load_records(spec, seed),
+        load_records(spec, seed, problems),
         format=task.format,
         prompt_template=task.prompt_template,
         drop_incomplete=task.drop_incomplete,
+        problems=problems,
     )
 
 
@@ -64,7 +68,7 @@ def _split(name: str, tc: TaskConfig, seed: int
         preview, held_out, stream = open_stream(
             tc.data, task=name, format=tc.format, prompt_template=tc.prompt_template,
             drop_incomplete=tc.drop_incomplete, seed=seed,
-            eval_size=0 if tc.eval_data is not None else tc.eval_size)
+            eval_size=0 if tc.eval_data is not None else tc.eval_size, strict=tc.strict)
         if tc.eval_data is not None:
             held_out = _examples(tc.eval_data, tc, seed + 1)
         return preview, held_out, stream
@@ -102,9 +106,13 @@ def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
 
 def load_tasks(config: RunConfig) -> list[Task]:
     """Read every task's data and resolve its reward functions (no model needed)."""
-    tasks = []
+    tasks, problems = [], []
     for name, tc in config.tasks.items():
-        train, held_out, stream = _split(name, tc, config.seed)
+        try:  # every data file's problems, not only the first file's
+            train, held_out, stream = _split(name, tc, config.seed)
+        except DataError as err:
+            problems.append(str(err))
+            continue
         fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
         columns = list(dict.fromkeys(k for ex in [*train, *held_out] for k in ex.columns))
         for i, (label, fn, kwargs) in enumerate(fns):
@@ -112,9 +120,11 @@ def load_tasks(config: RunConfig) -> list[Task]:
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         tasks.append(Task(name, tc, train, held_out, fns, schedules, stream))
-        log.info("task %s: %s train / %d eval prompts, rewards %s", name,
-                 "streamed" if stream else len(train), len(held_out),
-                 ", ".join(label for label, _, _ in fns))
+        log.debug("task %s: %s train / %d eval prompts, rewards %s", name,
+                  "streamed" if stream else len(train), len(held_out),
+                  ", ".join(label for label, _, _ in fns))
+    if problems:
+        raise DataError("\n".join(problems))
     return tasks
 
 

@@ -105,7 +105,10 @@ class GRPOTrainer:
             max_completion_length=self.config.rollout.completion_length,
             kl_budgets={t.name: t.config.kl.kl_budget() for t in ctx.tasks
                         if t.config.kl.kl_budget() is not None},
+            full_finetune=not self.config.lora.enabled,
+            learning_rate=self.config.train.learning_rate,
         )
+        self.rollbacks: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ phases
 
@@ -446,16 +449,29 @@ class GRPOTrainer:
         self.adapt_kl(metrics)
         return metrics
 
-    def run(self, writer: MetricsWriter, evaluate: Any = None, checkpoint: Any = None) -> None:
+    @property
+    def checkpoints_evals(self) -> bool:
+        """A `rollback` needs a checkpoint at every evaluated step to go back to."""
+        health = self.config.health
+        return health.enabled and health.eval_regression.enabled \
+            and health.eval_regression.action == "rollback"
+
+    def run(self, writer: MetricsWriter, evaluate: Any = None, checkpoint: Any = None,
+            rollback: Any = None) -> None:
         """Steps until `train.max_steps`: each is logged, then evaluated and checkpointed
-        when due (the checkpoint comes last, so a resume repeats nothing of its step)."""
+        when due (the checkpoint comes last, so a resume repeats nothing of its step).
+
+        `rollback(step)` is called when the health monitor asks to go back to the best
+        checkpoint; it loads that checkpoint's weights and optimizer state and returns its
+        path, or None when there is none (the run then stops)."""
         cfg = self.config
         every, save_every = cfg.eval.every_steps, cfg.output.save_every
         with Progress(cfg.train.max_steps, "GRPO", cfg.logging.progress_bar, start=self.step) as bar:
             while self.step < cfg.train.max_steps:
                 metrics = self.train_step()
-                if evaluate is not None and every and self.step % every == 0 \
-                        and self.step < cfg.train.max_steps:
+                evaluated = evaluate is not None and every and self.step % every == 0 \
+                    and self.step < cfg.train.max_steps
+                if evaluated:
                     metrics.update(evaluate(self.step, metrics))
                 self.next_stage(metrics)
                 writer.write(metrics)
@@ -467,14 +483,57 @@ class GRPOTrainer:
                     writer.write(alert.as_event())
                 if self.step % cfg.logging.log_every == 0:
                     log.info(format_step(metrics, [t.name for t in self.ctx.tasks], cfg.train.max_steps))
+                rolled = self._roll_back(rollback, writer)
+                # after a rollback the checkpoint holds the restored state: resumable as it is;
+                # a stop leaves a resumable state behind
                 if checkpoint is not None and (
                     (save_every and self.step % save_every == 0) or self.step == cfg.train.max_steps
+                    or rolled or (evaluated and self.checkpoints_evals) or self.health.should_stop
                 ):
                     checkpoint(self.step)
                 if self.health.should_stop:
-                    if checkpoint is not None and not (save_every and self.step % save_every == 0):
-                        checkpoint(self.step)  # leave a resumable state behind
                     raise HealthStop([a for a in self.health.alerts if a.action == "stop"])
+
+    def _roll_back(self, rollback: Any, writer: MetricsWriter) -> bool:
+        """Go back to the best checkpoint when the monitor asks: its weights and optimizer
+        state (loaded by `rollback`), the learning rate × `lr_factor`; steps, data order, β and
+        the curriculum go on. Recorded in metrics.jsonl, the trainer state and the summary."""
+        alert = self.health.rollback_alert
+        if alert is None:
+            return False
+        path = rollback(alert.best_step) if rollback is not None and alert.best_step is not None \
+            else None
+        if path is None:
+            log.error("health: no intact checkpoint of step %s to roll back to; stopping",
+                      alert.best_step)
+            alert.action = "stop"
+            self.health.stop()
+            return False
+        before = self.scheduler.get_last_lr()[0]
+        after = self.scale_lr(self.config.health.eval_regression.lr_factor)
+        record = {"event": "health_rollback", "step": self.step, "restored_step": alert.best_step,
+                  "checkpoint": str(path), "lr_before": before, "lr_after": after,
+                  "reason": alert.evidence}
+        self.rollbacks.append(record)
+        self.health.note_rollback(self.step, alert.best_step)
+        writer.write(record)
+        log.warning("health: rolled back to step %d (%s); learning rate %.3g -> %.3g",
+                    alert.best_step, path, before, after)
+        return True
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the learning rate, for the rest of the schedule, by `factor`; returns the
+        new current rate. The scheduler's base rates are in its state_dict, so a resume keeps
+        the lowered rate."""
+        sched = self.scheduler
+        sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+        lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas,
+                                                                 strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        sched._last_lr = lrs  # what get_last_lr() reports until the next step
+        self.health_ctx.learning_rate = sched.base_lrs[0]
+        return lrs[0]
 
     def next_stage(self, metrics: dict[str, Any]) -> None:
         """Record the curriculum stage of this step; move on when its `until` holds."""
@@ -499,6 +558,7 @@ class GRPOTrainer:
             "judges": {key: judge.state_dict() for key, judge in judges(self.ctx.tasks).items()},
             "health": self.health.state_dict(),
             "curriculum": self.curriculum.state_dict(),
+            "rollbacks": list(self.rollbacks),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -513,6 +573,9 @@ class GRPOTrainer:
             self.health.load_state_dict(state["health"])
         if "curriculum" in state:
             self.curriculum.load_state_dict(state["curriculum"])
+        self.rollbacks = list(state.get("rollbacks", []))
+        self.health_ctx.learning_rate = self.config.train.learning_rate * \
+            self.config.health.eval_regression.lr_factor ** len(self.rollbacks)
         for key, judge in judges(self.ctx.tasks).items():
             if key in state.get("judges", {}):
                 judge.load_state_dict(state["judges"][key])

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mogrpo.checkpoint.store import CHECKPOINTS
+from mogrpo.checkpoint.store import CHECKPOINTS, verify
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.eval.quick_eval import QuickEval
@@ -37,6 +37,7 @@ from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.sft import run_sft
+from mogrpo.train.startup import startup_summary
 from mogrpo.train.state import RunState, open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
     if not mc.load_in_4bit:
         policy.to(device)
     trainable, total = trainable_parameters(policy)
-    log.info("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
+    log.debug("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
     ids = stop_ids(config, policy, tokenizer)
     ro = config.rollout
     sampling = SamplingSettings(
@@ -184,8 +185,11 @@ def run_training(config: RunConfig, resume: str | None = None,
     summary_memory = _memory_estimate(ctx, config)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks],
                                "memory_estimate_gib": summary_memory}
+    log.info("%s", startup_summary(config, ctx.policy, ctx.device, ctx.tasks, summary_memory,
+                                   run_dir, loaded.state["step"] if loaded else 0))
     quick_eval = QuickEval(ctx, run_dir)
     sft_done = bool(loaded and loaded.state["sft_done"])
+    start_eval: dict[str, float] = {}
     if loaded is None:
         if config.sft.enabled:
             with MetricsWriter(run_dir / "sft_metrics.jsonl") as writer:
@@ -194,7 +198,7 @@ def run_training(config: RunConfig, resume: str | None = None,
             dist.barrier()  # the SFT model is on disk before anyone may need it
             sft_done = True
         if config.eval.at_start:
-            quick_eval("start", 0)
+            start_eval = quick_eval("start", 0)
     dist.broadcast_parameters(ctx.policy)  # one starting point (before the reference copy)
     if dist.world_size > 1 and loaded is None:  # each process samples its own completions
         torch.manual_seed(config.seed * 1_000_003 + dist.rank)
@@ -207,18 +211,21 @@ def run_training(config: RunConfig, resume: str | None = None,
     if config.logging.log_completions:
         trainer.completion_log = CompletionLog(run_dir, config.logging.log_completions_every,
                                                trackers)
-    state = RunState(config, ctx, trainer, quick_eval, trackers, summary, sft_done, dist, run_dir)
+    state = RunState(config, ctx, trainer, quick_eval, trackers, summary, sft_done, dist, run_dir,
+                     main_dir)
     if loaded is not None:
         state.restore(loaded)  # RNG last: after the trackers started
+    trainer.health.observe_eval(0, start_eval)  # the baseline of eval_regression
 
+    if trainer.checkpoints_evals and loaded is None and start_eval:
+        state.save(0)  # the model GRPO starts from: a rollback may have to go back to it
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as writer:
             trainer.run(Tee(writer, trackers),
-                        lambda step, metrics: quick_eval(str(step), step, metrics), state.save)
-    except HealthStop:
-        summary["health"] = [a.as_event() for a in trainer.health.alerts]
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        log.error(trainer.health.summary())
+                        lambda step, metrics: quick_eval(str(step), step, metrics), state.save,
+                        state.rollback)
+    except HealthStop as stop:
+        _stopped(stop, trainer, summary, run_dir, sft_done)
         raise
     finally:
         trackers.close()
@@ -232,9 +239,12 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
     only this: the eval log is rewritten from the checkpoint first, so `end` is written once."""
     ctx, trainer, quick_eval = state.ctx, state.trainer, state.quick_eval
     summary, run_dir = state.summary, state.run_dir
+    end = quick_eval("end", trainer.step, trainer.last_metrics)
+    for alert in trainer.health.observe_eval(trainer.step, end, final=True):
+        log.warning(alert.message)
     summary["health"] = [a.as_event() for a in trainer.health.alerts]
+    summary["rollbacks"] = trainer.rollbacks
     log.info(trainer.health.summary())
-    quick_eval("end", trainer.step, trainer.last_metrics)
     quick_eval.close()
     summary["evals"] = quick_eval.scores
     summary["pareto"] = quick_eval.pareto.to_json()
@@ -249,6 +259,32 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
     return summary
 
 
+def _stopped(stop: HealthStop, trainer: GRPOTrainer, summary: dict[str, Any], run_dir: Path,
+             sft_done: bool) -> None:
+    """summary.json of a run a `stop` check ended, naming the best checkpoint to go back to."""
+    summary["health"] = [a.as_event() for a in trainer.health.alerts]
+    summary["rollbacks"] = trainer.rollbacks
+    best = next((a.best_step for a in stop.alerts if a.best_step is not None), None)
+    if best is not None:
+        summary["best_checkpoint"] = best_checkpoint(run_dir, best, sft_done, trainer.config)
+        log.error("best checkpoint on the Pareto front: %s", summary["best_checkpoint"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    log.error(trainer.health.summary())
+
+
+def best_checkpoint(run_dir: Path, step: int, sft_done: bool, config: RunConfig) -> str:
+    """Where the weights of evaluated step `step` are: its checkpoint, or for step 0 the model
+    GRPO started from."""
+    path = run_dir / CHECKPOINTS / f"step-{step:07d}"
+    if step > 0 and verify(path).ok:
+        return f"step {step}: {path}"
+    if step == 0:
+        start = run_dir / "sft" / "merged" if sft_done else config.model.name_or_path
+        return f"step 0 (before GRPO): {path if verify(path).ok else start}"
+    return (f"step {step}: no checkpoint was saved there (save at every eval with "
+            "output.save_every = eval.every_steps, or health.eval_regression.action: rollback)")
+
+
 def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
     """The planner's estimate for this run, logged next to the measured peak of each step."""
     try:
@@ -258,8 +294,8 @@ def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
         log.info("memory estimate unavailable: %s", err)
         return None
     log.debug("%s", est.table())
-    log.info("estimated peak memory %.2f GiB (see `mogrpo memory`); measured per step as "
-             "memory/peak_gib", est.total / 2**30)
+    log.debug("estimated peak memory %.2f GiB (see `mogrpo memory`); measured per step as "
+              "memory/peak_gib", est.total / 2**30)
     return est.total / 2**30
 
 

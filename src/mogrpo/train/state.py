@@ -59,6 +59,8 @@ class RunState:
     sft_done: bool
     dist: Dist
     run_dir: Path
+    main_dir: Path
+    """Process 0's run directory (processes r > 0 read its weights and optimizer)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The JSON part (the weights, optimizer and RNGs are saved as tensors beside it)."""
@@ -107,6 +109,19 @@ class RunState:
         self.trainer.optimizer.load_state_dict(loaded.optimizer)
         self.load_state_dict(loaded.state)
         store.restore_rng(loaded.rng, loaded.state["rng"])
+
+
+    def rollback(self, step: int) -> Path | None:
+        """Load the weights and optimizer of step `step`'s checkpoint (a health rollback; the
+        trainer resets the rest itself); None if that checkpoint is not there intact."""
+        name = f"{store.CHECKPOINTS}/step-{step:07d}"
+        if not store.verify(self.run_dir / name).ok:
+            return None
+        target = store.load_checkpoint(
+            self.run_dir / name, shared_from=None if self.dist.is_main else self.main_dir / name)
+        store.load_weights(self.ctx.policy, target.weights)
+        self.trainer.optimizer.load_state_dict(target.optimizer)
+        return target.path
 
 
 def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
