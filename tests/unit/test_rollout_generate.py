@@ -277,8 +277,40 @@ def test_context_limit_checked_before_generating(model, tok):
     ],
 )
 def test_settings_validated(bad, field):
-    with pytest.raises(ConfigError, match=f"sampling.{field}"):
+    with pytest.raises(ConfigError, match=f"^{field} = "):
         SamplingSettings(**bad)
+
+
+def test_settings_from_a_rollout_section_take_every_sampling_field():
+    from dataclasses import fields
+
+    from mogrpo.config.sections import RolloutConfig
+
+    ro = RolloutConfig(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+                       frequency_penalty=0.25, repetition_penalty=1.3, stop_token_ids=[7, 9],
+                       max_completion_length=12)
+    settings = SamplingSettings.from_rollout(ro)
+    assert (settings.temperature, settings.top_k, settings.top_p, settings.min_p) == \
+        (0.7, 5, 0.9, 0.05)
+    assert (settings.presence_penalty, settings.frequency_penalty,
+            settings.repetition_penalty) == (0.5, 0.25, 1.3)
+    assert settings.stop_token_ids == [7, 9] and settings.max_new_tokens == ro.completion_length
+    assert not settings.greedy
+    # one schema: every sampling knob a run can set is a rollout field of the same name
+    knobs = {f.name for f in fields(SamplingSettings)} - {"max_new_tokens", "greedy"}
+    assert knobs <= set(RolloutConfig.model_fields)
+    assert SamplingSettings.from_rollout(ro, stop_token_ids=[3]).stop_token_ids == [3]
+
+
+def test_no_stop_token_names_the_config_key(tok):
+    class NoEos:
+        eos_token_id = None
+
+    class Bare(torch.nn.Module):
+        generation_config = GenerationConfig()
+
+    with pytest.raises(ConfigError, match="set rollout.stop_token_ids"):
+        resolve_stop_ids(Bare(), NoEos(), SamplingSettings())
 
 
 def test_train_mode_restored_and_dropout_off(tiny_model_dir, tok):

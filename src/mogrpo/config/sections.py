@@ -260,6 +260,8 @@ class RolloutConfig(Section):
     """Subtract this from the logit of every token already generated (OpenAI semantics)."""
     frequency_penalty: float = 0.0
     """Subtract this × the count of each token already generated."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """CTRL-style repetition penalty over the prompt and the completion so far (1.0 = off)."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a completion (e.g. [128001, 128009]); default: the model's EOS."""
     engine: RolloutEngine = "auto"

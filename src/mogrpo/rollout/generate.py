@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, get_args
 
 import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
-from mogrpo.config.sections import RolloutEngine
+from mogrpo.config.sections import RolloutConfig, RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.native import Decoded, native_decode, unsupported_reason
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
@@ -78,7 +78,18 @@ class SamplingSettings:
         ]
         for ok, name, rule in checks:
             if not ok:
-                raise ConfigError(f"sampling.{name} = {getattr(self, name)!r} {rule}")
+                raise ConfigError(f"{name} = {getattr(self, name)!r} {rule}")
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, stop_token_ids: list[int] | None = None
+                     ) -> SamplingSettings:
+        """The settings a run's `rollout` section asks for: every field of this type that the
+        section has (the completion budget is the section's `completion_length`)."""
+        same = {f.name: getattr(rollout, f.name) for f in fields(cls)
+                if f.name in type(rollout).model_fields}
+        same["stop_token_ids"] = list(stop_token_ids if stop_token_ids is not None
+                                      else rollout.stop_token_ids)
+        return cls(max_new_tokens=rollout.completion_length, **same)
 
 
 @dataclass
@@ -161,8 +172,9 @@ def resolve_stop_ids(
         ids.extend(int(t) for t in ([model_eos] if isinstance(model_eos, int) else model_eos))
     if not ids:
         raise ConfigError(
-            "no stop token: sampling.stop_token_ids is empty and the tokenizer has no EOS token; "
-            "set sampling.stop_token_ids to the id(s) that end a completion"
+            "no stop token: no stop ids are set and neither the tokenizer nor the model's "
+            "generation config has an EOS token; set rollout.stop_token_ids to the id(s) that end "
+            "a completion"
         )
     return list(dict.fromkeys(ids))
 

@@ -28,7 +28,7 @@ from mogrpo.modeling.load import (
     trainable_parameters,
 )
 from mogrpo.modeling.reference import make_reference
-from mogrpo.rollout.generate import SamplingSettings
+from mogrpo.rollout.generate import SamplingSettings, resolve_stop_ids
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task, load_tasks
 from mogrpo.tracking.jsonl import MetricsWriter, Tee
@@ -121,19 +121,6 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
     return run_dir
 
 
-def stop_ids(config: RunConfig, policy: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """Configured stop ids, else the model's generation EOS ids, else the tokenizer's EOS."""
-    if config.rollout.stop_token_ids:
-        return list(config.rollout.stop_token_ids)
-    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.insert(0, tokenizer.eos_token_id)
-    if not ids:
-        raise ConfigError("the tokenizer has no EOS token; set rollout.stop_token_ids")
-    return ids
-
-
 def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None) -> TrainContext:
     """Load the model (from `base` instead, e.g. the SFT model on resume) and tokenizer, and
     settle how to sample from them."""
@@ -151,13 +138,9 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
         policy.to(device)
     trainable, total = trainable_parameters(policy)
     log.debug("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
-    ids = stop_ids(config, policy, tokenizer)
     ro = config.rollout
-    sampling = SamplingSettings(
-        max_new_tokens=ro.completion_length, temperature=ro.temperature, top_k=ro.top_k,
-        top_p=ro.top_p, min_p=ro.min_p, presence_penalty=ro.presence_penalty,
-        frequency_penalty=ro.frequency_penalty, stop_token_ids=ids,
-    )
+    ids = resolve_stop_ids(policy, tokenizer, SamplingSettings.from_rollout(ro))
+    sampling = SamplingSettings.from_rollout(ro, stop_token_ids=ids)
     engine = None
     if ro.engine == "vllm":  # started once the policy is on the GPU; it samples from its weights
         from mogrpo.rollout.vllm_engine import VLLMEngine
