@@ -435,6 +435,23 @@ class OutputConfig(Section):
     transformers); full fine-tuning always saves the full model."""
 
 
+DistributedStrategy = Literal["auto", "none", "ddp", "fsdp"]
+
+
+class DistributedConfig(Section):
+    strategy: DistributedStrategy = "auto"
+    """How several processes (torchrun, or `mogrpo train --nproc N`) train one model: `ddp`
+    (PyTorch DistributedDataParallel: every process holds the whole model), `fsdp` (FSDP2
+    `fully_shard`: parameters, gradients and optimizer state split across processes), `none`
+    (one process only); `auto` = `ddp` when there is more than one process."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """`fsdp` only: `bf16` computes with bfloat16 parameters and reduces gradients in float32
+    (the shards and the optimizer stay in the model's dtype); `none` computes in that dtype."""
+    reshard_after_forward: bool = True
+    """`fsdp` only: free the gathered parameters after each layer's forward (less memory, one
+    more all-gather in backward); false keeps them until the backward (faster, more memory)."""
+
+
 class RunConfig(Section):
     seed: int = 0
     """Seed for Python, NumPy and torch."""
@@ -464,6 +481,8 @@ class RunConfig(Section):
     """Training health checks: threshold, patience and action of each."""
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     """Stages that change the tasks' shares of the prompts as the run progresses."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Several processes: data parallel (DDP) or sharded (FSDP2)."""
 
     @property
     def prompts_per_step(self) -> int:
