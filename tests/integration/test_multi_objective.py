@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -106,6 +107,8 @@ def test_quick_eval_lines_match_the_metrics_and_pareto_file(tmp_path, tiny_model
         row = (f"| {e['tag']} | {e['step']} | {e['fairness']['score']:.3f} | "
                f"{e['hallucination']['score']:.3f} |")
         assert row in report
+    if importlib.util.find_spec("matplotlib"):  # the `charts` extra: drawn at the end of the run
+        assert "](charts/pareto.png)" in report and (rundir / "charts" / "pareto.png").is_file()
 
 
 def test_dynamic_sampling_drops_constant_reward_groups(tmp_path, tiny_model):

@@ -146,3 +146,29 @@ def test_steps_with_equal_scores_share_one_label(run_dir):
     (run_dir / "pareto.json").write_text(json.dumps(pareto))
     (ax,) = report_charts.pareto_figure(RunFiles(run_dir)).axes
     assert [t.get_text() for t in ax.texts] == ["steps 0, 2, 4"]
+
+
+def test_a_long_run_draws_a_faint_raw_line_under_its_trailing_mean(tmp_path):
+    run = tmp_path / "long-run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    rewards = [0.01 * n for n in range(1, 61)]  # 60 steps: more than the 40 drawn raw
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": n, "task/fair/reward/mean": r, "task/halu/reward/mean": r}) + "\n"
+        for n, r in enumerate(rewards, 1)))
+    fair = report_charts.reward_figure(RunFiles(run)).axes[0]
+    raw, mean = fair.get_lines()[:2]
+    assert list(raw.get_ydata()) == rewards and raw.get_alpha() == 0.25
+    assert mean.get_label() == "reward (weighted) (mean of 5)"
+    assert mean.get_linewidth() == 2.2  # the bold weighted line keeps its style when smoothed
+    assert mean.get_ydata()[-1] == pytest.approx(sum(rewards[-5:]) / 5)
+
+
+def test_write_report_draws_the_charts_beside_report_md(run_dir):
+    from mogrpo.eval.report import write_report
+
+    text, out = write_report(run_dir)
+    assert out == run_dir / "report.md" and out.read_text() == text
+    assert "](charts/reward.png)" in text
+    assert sorted(p.name for p in (run_dir / "charts").iterdir()) == \
+        sorted(f"{name}.png" for name in report_charts.CHARTS)

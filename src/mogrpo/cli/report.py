@@ -31,25 +31,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mogrpo.eval import report_charts
-    from mogrpo.eval.report import ReportError, RunFiles, build_report
+    from mogrpo.eval.report import write_report
 
-    if args.window < 1:
-        raise ReportError(f"--window {args.window} must be >= 1")
-    out: Path = args.out or args.run_dir / "report.md"
-    run = RunFiles(args.run_dir)  # not a run directory: an error before anything is written
-    charts = None
-    if not args.no_charts and report_charts.available():
-        paths = report_charts.write_charts(run, out.parent / "charts")
-        charts = {name: path.relative_to(out.parent).as_posix() for name, path in paths.items()}
-    text = build_report(args.run_dir, args.window, charts)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    text, out = write_report(args.run_dir, args.out, args.window, charts=not args.no_charts)
     print(text, end="")
     if args.html:
         from mogrpo.eval.report_html import write_html
 
         page = write_html(text, out.parent, out.with_suffix(".html"),
-                          f"Run report: {run.dir.name}")
+                          f"Run report: {Path(args.run_dir).name}")
         print(f"html: {page}")
     return 0

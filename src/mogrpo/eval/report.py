@@ -238,3 +238,23 @@ def build_report(run_dir: str | Path, window: int = 10,
     ]
     return "\n\n".join(f"{title}\n\n" + "\n".join(body).rstrip()
                        for title, body in sections) + "\n"
+
+
+def write_report(run_dir: str | Path, out: Path | None = None, window: int = 10,
+                 charts: bool = True) -> tuple[str, Path]:
+    """Write the report of `run_dir` to `out` (default RUN_DIR/report.md) and, with matplotlib
+    installed and `charts`, its charts into charts/ beside it; returns (text, path)."""
+    from mogrpo.eval import report_charts
+
+    if window < 1:
+        raise ReportError(f"--window {window} must be >= 1")
+    run = RunFiles(Path(run_dir))  # not a run directory: an error before anything is written
+    out = out or run.dir / "report.md"
+    drawn = None
+    if charts and report_charts.available():
+        paths = report_charts.write_charts(run, out.parent / "charts")
+        drawn = {name: path.relative_to(out.parent).as_posix() for name, path in paths.items()}
+    text = build_report(run.dir, window, drawn)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return text, out

@@ -78,7 +78,8 @@ def _plot(ax: Axes, steps: list[int], values: list[float], label: str, **style: 
     """A metric's line; with many steps, a faint raw line under its trailing mean."""
     if len(values) > 40:
         window = max(5, len(values) // 20)
-        line = ax.plot(steps, values, alpha=0.25, linewidth=0.8, **style)[0]
+        faint = {k: v for k, v in style.items() if k != "linewidth"}
+        line = ax.plot(steps, values, alpha=0.25, linewidth=0.8, **faint)[0]
         ax.plot(steps, _smooth(values, window), color=line.get_color(),
                 label=f"{label} (mean of {window})", **{k: v for k, v in style.items()
                                                         if k != "color"})

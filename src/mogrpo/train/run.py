@@ -16,7 +16,7 @@ from mogrpo.checkpoint.store import CHECKPOINTS, verify
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.eval.quick_eval import QuickEval
-from mogrpo.eval.report import build_report
+from mogrpo.eval.report import write_report
 from mogrpo.health import HealthStop
 from mogrpo.memory import estimate, reward_model_configs
 from mogrpo.modeling.load import (
@@ -238,7 +238,7 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
         ctx.policy, ctx.tokenizer, run_dir / "final", merged=ctx.config.output.save_merged,
         in_place=True).items()} if save else {}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    (run_dir / "report.md").write_text(build_report(run_dir), encoding="utf-8")
+    write_report(run_dir)  # report.md, and its charts where matplotlib is installed
     return summary
 
 
