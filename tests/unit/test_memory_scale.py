@@ -194,6 +194,8 @@ def test_ladder_shards_the_processes_already_launched():
     assert shard.changes["distributed.strategy"] == "fsdp"
     assert shard.arguments[:2] == ["--set", "distributed.strategy=fsdp"]
     assert steps[-1].total <= 20 * GIB
+    # more GPUs means more than the 2 already there (fsdp over 2 is the rung above)
+    assert scale_out(fn, run_1b(), 20 * GIB, nproc=2).nproc == 4
     # with one process there is nothing to shard
     assert not any(s.change.startswith("shard") for s in ladder(fn, run_1b(), 20 * GIB))
 

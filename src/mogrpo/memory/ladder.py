@@ -122,12 +122,13 @@ def _shard(run: RunConfig, nproc: int) -> Rung:
     options: list[dict[str, Any]] = []
     if nproc > 1 and run.distributed.strategy != "fsdp":
         options.append({"distributed.strategy": "fsdp"})
-    if nproc > 1 and run.model.dtype == "float32" and run.distributed.mixed_precision == "none":
+    mixed = run.model.dtype == "float32" and run.distributed.mixed_precision == "none"
+    if nproc > 1 and mixed:
         # fp32 shards, bf16 compute: halves what is gathered and the activations
         options.append({"distributed.strategy": "fsdp", "distributed.mixed_precision": "bf16"})
-    return ("shard with FSDP2", options,
-            "none in quality (bf16 mixed precision: bf16 matmuls, gradients reduced in fp32); "
-            + FSDP_COST)
+    return ("shard with FSDP2", options, "none in quality" + (
+        " (mixed_precision bf16: bf16 matmuls, gradients reduced in fp32)" if mixed else "")
+        + f"; {FSDP_COST}")
 
 
 RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
@@ -183,8 +184,8 @@ def _climb(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, min_micro_ba
 
 def scale_out(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, nproc: int = 1,
               max_nproc: int = 64) -> Step | None:
-    """Running on more GPUs instead of cutting the run: the fewest processes (from `nproc` up
-    to `max_nproc`, dividing the prompts per step) at which the per-process estimate fits
+    """Running on more GPUs instead of cutting the run: the fewest processes (more than
+    `nproc`, at most `max_nproc`, dividing the prompts per step) at which the per-process estimate fits
     `gpu_bytes` under `ddp` or `fsdp`, as the run is or else with gradient checkpointing.
 
     No quality cost, only GPUs and communication. At equal counts the run as it is beats
@@ -195,12 +196,11 @@ def scale_out(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, nproc: in
     variants: list[dict[str, Any]] = [{}]
     if not run.model.gradient_checkpointing:
         variants.append({"model.gradient_checkpointing": True})
-    counts = [n for n in range(max(nproc, 2), max_nproc + 1) if run.prompts_per_step % n == 0]
+    # fsdp over the processes already there is the ladder's `_shard` rung
+    counts = [n for n in range(nproc + 1, max_nproc + 1) if run.prompts_per_step % n == 0]
     for n in counts:
         for extra in variants:
             for strategy, cost in (("ddp", DDP_COST), ("fsdp", FSDP_COST)):
-                if strategy == "ddp" and n == nproc:
-                    continue  # ddp over the processes already there: the ladder's business
                 changes = {"distributed.strategy": strategy, **extra}
                 total = estimate_fn(with_changes(run, changes), n).total
                 if total <= gpu_bytes:
