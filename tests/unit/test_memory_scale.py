@@ -150,6 +150,10 @@ def test_process_counts_the_trainer_would_refuse():
     with pytest.raises(ConfigError, match="--nproc 0"):
         resolve_strategy(run_1b(), 0)
     assert [resolve_strategy(run_1b(), n) for n in (1, 2)] == ["none", "ddp"]
+    # one process is never wrapped, whatever the config says
+    fsdp = run_1b(distributed={"strategy": "fsdp"})
+    assert resolve_strategy(fsdp, 1) == "none"
+    assert estimate(LLAMA_1B, fsdp).total == estimate(LLAMA_1B, run_1b()).total
 
 
 def fn(c, n):

@@ -110,14 +110,16 @@ class MemoryEstimate:
 
 
 def resolve_strategy(run: RunConfig, nproc: int) -> str:
-    """`none`, `ddp` or `fsdp`: `distributed.strategy` for `nproc` processes (`auto` = `ddp`
-    with more than one). Refuses what the trainer would refuse at start-up."""
+    """`none`, `ddp` or `fsdp`: `distributed.strategy` for `nproc` processes (`auto` = `ddp`;
+    one process is never wrapped). Refuses what the trainer would refuse at start-up."""
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1")
+    if nproc == 1:
+        return "none"
     strategy = run.distributed.strategy
     if strategy == "auto":
-        strategy = "ddp" if nproc > 1 else "none"
-    if strategy == "none" and nproc > 1:
+        strategy = "ddp"
+    if strategy == "none":
         raise ConfigError(f"distributed.strategy: none trains in one process, but --nproc is "
                           f"{nproc}; set distributed.strategy to ddp, fsdp or auto")
     if run.prompts_per_step % nproc:
