@@ -35,6 +35,11 @@ p the activation dtype's bytes and I the MLP width:
 Checked against what autograd keeps on CPU for eleven families in
 `benchmarks/results/memory_architectures.md` (−7 % … +7 %).
 
+Several processes (`nproc`, `distributed.strategy`): each generates and trains on its share of
+the step's completions. `ddp` keeps everything resident on every process, plus DDP's gradient
+buckets; `fsdp` keeps 1/N of it and adds what FSDP2 gathers (`_fsdp_terms`). The figures are
+per process.
+
 Every block is costed like the first (true of the dense decoders covered). With gradient
 checkpointing each layer keeps only its input (p·h) and one layer is recomputed at a time
 (Korthikanti's "full recomputation", 2·s·b·h per layer in 16-bit).
