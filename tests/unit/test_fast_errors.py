@@ -33,6 +33,7 @@ rollout: {temprature: 0.9}
 @pytest.mark.parametrize("argv", [
     ["train", "run.yaml"],
     ["train", "run.yaml", "--resume", "auto"],
+    ["train", "run.yaml", "--nproc", "2"],
     ["config", "show", "run.yaml"],
     ["memory", "run.yaml", "--gpu-memory", "24GiB"],
     ["predict", "some/model", "test.tsv", "--config", "run.yaml"],

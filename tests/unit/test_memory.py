@@ -165,7 +165,7 @@ def test_ladder_shrinks_the_sft_batch_when_the_warm_up_is_the_peak():
                         sft={"enabled": True, "batch_size": 16, "max_length": 1024})
     est = estimate(QWEN_1_5B, run)
     assert est.total == est.phase("always") + est.phase("SFT warm-up")
-    (step,) = ladder(lambda c: estimate(QWEN_1_5B, c), run, parse_size("12GiB"))
+    (step,) = ladder(lambda c, n: estimate(QWEN_1_5B, c, nproc=n), run, parse_size("12GiB"))
     # halving to 8 still needs ~17.7 GiB (the fp32 logits dominate), a quarter fits
     assert step.overrides == ["sft.batch_size=4"] and step.total <= 12 * GIB
 
@@ -195,7 +195,7 @@ def test_ladder_fits_the_users_40gb_case_and_keeps_the_batch_first():
     gpu = parse_size("40GB")
     run = users_run()
     assert estimate(LLAMA_8B, run).total > gpu
-    steps = ladder(lambda c: estimate(LLAMA_8B, c), run, gpu)
+    steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), run, gpu)
     assert steps and steps[-1].total <= gpu
     first = steps[0].changes
     assert first["train.micro_batch_size"] * first["train.gradient_accumulation_steps"] == 16
@@ -209,14 +209,14 @@ def test_ladder_fits_the_users_40gb_case_and_keeps_the_batch_first():
 
 def test_ladder_on_a_small_gpu_climbs_further_and_keeps_valid_configs():
     gpu = parse_size("16GB")
-    steps = ladder(lambda c: estimate(LLAMA_8B, c), users_run(), gpu)
+    steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), users_run(), gpu)
     changes = [s.change.split(":")[0] for s in steps]
     assert changes[:3] == ["micro-batch down, accumulation up", "gradient checkpointing",
                            "4-bit NF4 base weights"]
     assert steps[-1].total <= gpu
     # checkpointing left room for a larger micro-batch than 1
     assert steps[0].changes["train.micro_batch_size"] > 1
-    assert ladder(lambda c: estimate(LLAMA_8B, c), users_run(), parse_size("200GB")) == []
+    assert ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), users_run(), parse_size("200GB")) == []
 
 
 @pytest.mark.parametrize(("text", "expected"), [

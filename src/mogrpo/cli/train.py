@@ -1,4 +1,4 @@
-"""`mogrpo train CONFIG [--resume auto|PATH] [--allow-config-change] [--set K=V ...]`."""
+"""`mogrpo train CONFIG [--nproc N] [--resume auto|PATH] [--allow-config-change] [--set K=V ...]`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 from typing import Any
 
 from mogrpo.cli.args import add_config, add_overrides
+from mogrpo.cli.launch import check_nproc, launch
+from mogrpo.memory.estimate import resolve_strategy
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,6 +29,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="resume even though settings that change the training math differ from the "
         "checkpoint's (the diff is logged and recorded in config_changes.jsonl)",
     )
+    parser.add_argument(
+        "--nproc", type=int, metavar="N",
+        help="train with N processes on this machine, one per GPU (default 1): relaunches "
+        "this command under torchrun (--standalone --nproc-per-node N); several machines: "
+        "run torchrun yourself (README, Scale out)",
+    )
     parser.add_argument("--strict", action="store_true",
                         help="refuse data values mogrpo would repair (answer `b` read as `B`, "
                         "stripped whitespace) instead of warning: every task's `strict: true`")
@@ -38,10 +46,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mogrpo.cli.console import setup_logging
     from mogrpo.config import load_config
 
+    if args.nproc is not None:
+        check_nproc(args.nproc)
     config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
     for task in config.tasks.values() if args.strict else ():
         task.strict = True
     setup_logging(config.logging.level)
+    if (args.nproc or 1) > 1:
+        resolve_strategy(config, args.nproc)  # a count the run cannot split: before launching
+        return launch(args, args.nproc)
     from mogrpo.train.run import run_training
 
     run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)

@@ -5,12 +5,19 @@ process reached) and `cli` (`mogrpo memory`).
 """
 
 from mogrpo.memory.cli import add_parser, cmd_memory, load_model_config, main, parse_size
-from mogrpo.memory.estimate import GIB, MemoryEstimate, Term, estimate, reward_model_configs
-from mogrpo.memory.ladder import Step, ladder
+from mogrpo.memory.estimate import (
+    GIB,
+    MemoryEstimate,
+    Term,
+    estimate,
+    resolve_strategy,
+    reward_model_configs,
+)
+from mogrpo.memory.ladder import Step, ladder, scale_out
 from mogrpo.memory.measure import peak_bytes, reset_peak
 
 __all__ = [
     "GIB", "MemoryEstimate", "Step", "Term", "add_parser", "cmd_memory",
     "estimate", "ladder", "load_model_config", "main", "parse_size", "peak_bytes", "reset_peak",
-    "reward_model_configs",
+    "resolve_strategy", "reward_model_configs", "scale_out",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 from mogrpo.config import load_config
 from mogrpo.errors import ConfigError, ExitCode, ModelError, MogrpoError
 from mogrpo.memory.estimate import GIB, estimate, reward_model_configs
-from mogrpo.memory.ladder import ladder
+from mogrpo.memory.ladder import Step, ladder, scale_out
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
                         help="GPU memory: 24GB = 24e9 bytes, 24GiB / 24g / 24 = 24 GiB "
                         "(default: the visible GPU's, if any)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="processes training together, one per GPU (default 1): the "
+                        "estimate is per process, under distributed.strategy (auto = ddp)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)")
     parser.set_defaults(handler=cmd_memory)
@@ -88,25 +91,36 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from mogrpo.modeling.architecture import Architecture
 
     shape = Architecture.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
-    result = estimate(shape, config, reward_models=rms)
+    nproc = args.nproc
+    result = estimate(shape, config, reward_models=rms, nproc=nproc)
     print(result.table())
     if gpu is None:
         print("\nno GPU given or visible: pass --gpu-memory 24GB to check the fit")
         return 0
+    each = " per process" if nproc > 1 else ""
     if result.total <= gpu:
-        print(f"\nfits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB")
+        print(f"\nfits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB{each}")
         return 0
     decimal = re.search(r"[kmgt]b\s*$", args.gpu_memory or "", re.I)
     hint = f" ({args.gpu_memory} = decimal units; write GiB for binary)" if decimal else ""
-    print(f"\ndoes not fit: {result.total / GIB:.1f} GiB > {gpu / GIB:.1f} GiB{hint}. Changes, "
-          "cumulative, cheapest first:")
-    steps = ladder(lambda c: estimate(shape, c, reward_models=rms), config, gpu)
+    print(f"\ndoes not fit: {result.total / GIB:.1f} GiB{each} > {gpu / GIB:.1f} GiB{hint}. "
+          "Changes, cumulative, cheapest first:")
+    steps = ladder(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n), config, gpu, nproc)
+    _print_steps(steps, each)
+    wider = scale_out(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n), config, gpu,
+                      nproc)
+    if wider:
+        print("or, at no cost in quality, on more GPUs (one process each):")
+        _print_steps([wider], " per process")
+    if (not steps or steps[-1].total > gpu) and not wider:
+        print("  still too big: use a smaller model or shorter prompts")
+    return ExitCode.FOUND_PROBLEM
+
+
+def _print_steps(steps: list[Step], each: str) -> None:
     for n, step in enumerate(steps, 1):
         print(f"  {n}. {step.change} — saves {step.saving / GIB:.1f} GiB → {step.total / GIB:.1f} "
-              f"GiB\n     cost: {step.cost}\n     --set {' --set '.join(step.overrides)}")
-    if not steps or steps[-1].total > gpu:
-        print("  still too big: use a smaller model, shorter prompts, or several GPUs (FSDP)")
-    return ExitCode.FOUND_PROBLEM
+              f"GiB{each}\n     cost: {step.cost}\n     {' '.join(step.arguments)}")
 
 
 def main(argv: list[str] | None = None) -> int:

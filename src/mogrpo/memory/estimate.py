@@ -35,6 +35,11 @@ p the activation dtype's bytes and I the MLP width:
 Checked against what autograd keeps on CPU for eleven families in
 `benchmarks/results/memory_architectures.md` (−7 % … +7 %).
 
+Several processes (`nproc`, `distributed.strategy`): each generates and trains on its share of
+the step's completions. `ddp` keeps everything resident on every process, plus DDP's gradient
+buckets; `fsdp` keeps 1/N of it and adds what FSDP2 gathers (`_fsdp_terms`). The figures are
+per process.
+
 Every block is costed like the first (true of the dense decoders covered). With gradient
 checkpointing each layer keeps only its input (p·h) and one layer is recomputed at a time
 (Korthikanti's "full recomputation", 2·s·b·h per layer in 16-bit).
@@ -109,6 +114,68 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+def resolve_strategy(run: RunConfig, nproc: int) -> str:
+    """`none`, `ddp` or `fsdp`: `distributed.strategy` for `nproc` processes (`auto` = `ddp`;
+    one process is never wrapped). Refuses what the trainer would refuse at start-up."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1")
+    if nproc == 1:
+        return "none"
+    strategy = run.distributed.strategy
+    if strategy == "auto":
+        strategy = "ddp"
+    if strategy == "none":
+        raise ConfigError(f"distributed.strategy: none trains in one process, but --nproc is "
+                          f"{nproc}; set distributed.strategy to ddp, fsdp or auto")
+    if run.prompts_per_step % nproc:
+        raise ConfigError(f"{run.prompts_per_step} prompts per step do not split over {nproc} "
+                          "processes; make train.micro_batch_size × gradient_accumulation_steps "
+                          "/ rollout.num_generations a multiple of it")
+    return strategy
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `nproc` processes share one optimizer step, as the trainer splits it: each takes
+    `completions / nproc` of the step's completions (whole groups), generates them and trains
+    on them in micro-batches of at most `train.micro_batch_size`."""
+
+    strategy: str
+    nproc: int
+    micro_batch_size: int
+    completions: int
+    """Completions per optimizer step over all processes (micro-batch × accumulation)."""
+
+    @property
+    def rows(self) -> int:
+        """This process's completions per step (what it generates at once)."""
+        return self.completions // self.nproc
+
+    @property
+    def micro_batch(self) -> int:
+        """This process's training micro-batch."""
+        return min(self.micro_batch_size, self.rows)
+
+    @property
+    def shard(self) -> int:
+        """What the model, gradients and optimizer state are divided by on each process."""
+        return self.nproc if self.strategy == "fsdp" else 1
+
+    def assumptions(self) -> list[str]:
+        if self.strategy == "none":
+            return []
+        lines = [f"{self.nproc} processes share the step's {self.completions} completions: "
+                 f"{self.rows} each, trained in micro-batches of {self.micro_batch}"]
+        if self.strategy == "ddp":
+            lines.append("ddp: every process holds the whole model, its gradients, AdamW state "
+                         "and reference, plus DDP's gradient buckets (a second gradient copy)")
+        else:
+            lines.append("fsdp: FSDP2 fully_shard on each decoder block and on the root "
+                         "(embeddings, head, final norm); parameters, gradients, AdamW state "
+                         f"and the reference split {self.nproc} ways; layers gathered as they run")
+        return lines
+
+
 def lora_modules(shape: Architecture, target: list[str] | str) -> list[LinearLayer]:
     """The modules LoRA wraps (peft's rules; `all-linear` = every linear but the head)."""
     from mogrpo.modeling.architecture import lora_targets
@@ -150,8 +217,10 @@ def layer_activation_bytes(shape: Architecture, p: int, *, full_ft: bool, lora: 
 def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfig, *,
              dtype_bytes: int | None = None, device: str = "cuda",
              master_weights: bool = False,
-             reward_models: Mapping[str, Any] | None = None) -> MemoryEstimate:
-    """Estimate the peak memory of `run` on one `device` ("cuda" or "cpu") for this model.
+             reward_models: Mapping[str, Any] | None = None,
+             nproc: int = 1) -> MemoryEstimate:
+    """Estimate the peak memory of `run` on one `device` ("cuda" or "cpu") for this model,
+    per process when `nproc` processes train together (`distributed.strategy`).
 
     `model_config`: an `Architecture`, a transformers config or a config.json dict (its module
     tree is built on the meta device once and cached). `dtype_bytes` overrides the weight dtype (`model.dtype`; `auto` = bf16 on CUDA, fp32 on
@@ -159,6 +228,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     `master_weights=True` models mixed precision instead (fp32 master copy + fp32 m, v).
     `reward_models` maps each `fn: reward_model` reward (`tasks.NAME.rewards.I`) to its
     config (see :func:`reward_model_configs`); one left out is not counted, and said so.
+    Several processes split the step's completions (each generates and trains on its share);
+    `ddp` replicates the model, gradients and AdamW state, `fsdp` shards them (see
+    :func:`_fsdp_terms` for what it gathers).
     """
     from mogrpo.modeling.architecture import Architecture
 
@@ -170,20 +242,29 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
                           "frozen); set lora.enabled: true")
     w = dtype_bytes or {"float32": 4, "bfloat16": 2, "float16": 2}.get(
         mc.dtype, 4 if device == "cpu" else 2)
+    strategy = resolve_strategy(run, nproc)
+    # what the forward computes with: FSDP2's bf16 mixed precision gathers bf16 parameters
+    c = 2 if strategy == "fsdp" and run.distributed.mixed_precision == "bf16" else w
     # prepare_model_for_kbit_training casts every non-4-bit weight to fp32, so the residual
     # stream, the activations and the KV cache of a 4-bit model are fp32.
-    p = 4 if mc.load_in_4bit else w
-    terms = _resident_terms(shape, run, w, device, master_weights) + _phase_terms(shape, run, p,
-                                                                                  device)
+    p = 4 if mc.load_in_4bit else c
+    layout = Layout(strategy, nproc, run.train.micro_batch_size,
+                    run.train.micro_batch_size * run.train.gradient_accumulation_steps)
+    terms = (_resident_terms(shape, run, w, device, master_weights, layout)
+             + _phase_terms(shape, run, p, device, layout))
+    if strategy == "fsdp":
+        terms += _fsdp_terms(shape, run, c)
     rm_terms, rm_notes = _reward_model_terms(run, reward_models or {}, device, w)
     terms += rm_terms
     terms.sort(key=lambda t: PHASES.index(t.phase))  # stable: resident first, then by phase
     prompt, completion = derive_lengths(run.rollout)
-    title = (f"memory estimate: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
+    where = "" if strategy == "none" else (
+        f" per process ({strategy}, {nproc} process{'es' if nproc > 1 else ''})")
+    title = (f"memory estimate{where}: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
              f"{w} B weights"
              f"{' (4-bit base)' if mc.load_in_4bit else ''}, "
              f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
-             f"{run.train.micro_batch_size} × ({prompt} prompt + {completion} completion) tokens")
+             f"{layout.micro_batch} × ({prompt} prompt + {completion} completion) tokens")
     eager = (mc.attn_implementation or shape.attention) == "eager"
     assumptions = [
         "eager attention keeps s×s scores" + (f" ({shape.model_type}'s default)"
@@ -192,9 +273,10 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
         "gradients resident: from the 2nd micro-batch and through the next generation on "
-        "(with accumulation 1, the 1st micro-batch peaks before they exist)", *rm_notes]
+        "(with accumulation 1, the 1st micro-batch peaks before they exist)",
+        *layout.assumptions(), *rm_notes]
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
-                                    device, run.train.micro_batch_size, prompt + completion,
+                                    device, layout.micro_batch, prompt + completion,
                                     completion + 1)[0] for gc in (False, True)}
     other = activations[not mc.gradient_checkpointing]
     for term in terms:
@@ -208,38 +290,85 @@ def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note
 
 
 def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
-                    master_weights: bool) -> list[Term]:
-    """Weights, adapters, gradients, AdamW states, reference, CUDA context."""
+                    master_weights: bool, layout: Layout) -> list[Term]:
+    """Weights, adapters, gradients, AdamW states, reference, CUDA context; under fsdp each
+    process holds 1/N of all but the context (FSDP2 pads a parameter's first dimension to a
+    multiple of N: a few KiB more, not counted)."""
     mc, lc = run.model, run.lora
     n_all, n_lin = shape.params, shape.linear_params()
     modules = lora_modules(shape, lc.target_modules) if lc.enabled else []
     n_lora = sum(lc.r * (m.in_features + m.out_features) for m in modules)
     trainable, t_bytes = (n_lora, ADAPTER_BYTES) if lc.enabled else (n_all, w)
+    n = layout.shard
+    per = f" / {n} (shard)" if n > 1 else ""
     terms: list[Term] = []
     if mc.load_in_4bit:
-        _add(terms, "weights", "weights (4-bit NF4)", n_lin * NF4_BYTES + (n_all - n_lin) * 4,
+        _add(terms, "weights", "weights (4-bit NF4)",
+             (n_lin * NF4_BYTES + (n_all - n_lin) * 4) / n,
              "always", f"{n_lin / 1e9:.2f} B linear weights × {NF4_BYTES:.3f} B + "
-             f"{(n_all - n_lin) / 1e9:.2f} B others × 4 B (fp32)")
+             f"{(n_all - n_lin) / 1e9:.2f} B others × 4 B (fp32){per}")
     else:
-        _add(terms, "weights", "weights", n_all * w, "always", f"{n_all / 1e9:.2f} B × {w} B")
+        _add(terms, "weights", "weights", n_all * w / n, "always",
+             f"{n_all / 1e9:.2f} B × {w} B{per}")
     if lc.enabled:
-        _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * ADAPTER_BYTES, "always",
+        _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * ADAPTER_BYTES / n, "always",
              f"{n_lora / 1e6:.1f} M × 4 B (fp32), {len(modules)} modules "
-             f"({', '.join(sorted({m.leaf for m in modules}))})")
-    _add(terms, "gradients", "gradients", trainable * t_bytes, "always",
-         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B")
+             f"({', '.join(sorted({m.leaf for m in modules}))}){per}")
+    _add(terms, "gradients", "gradients", trainable * t_bytes / n, "always",
+         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}")
+    if layout.strategy == "ddp":
+        _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
+             "gradients copied into buckets for the all-reduce")
     state = 12 if master_weights and t_bytes < 4 else 2 * t_bytes
-    _add(terms, "optimizer", "AdamW states", trainable * state, "always",
-         "fp32 master + m + v" if state == 12 else f"m, v × {t_bytes} B")
+    _add(terms, "optimizer", "AdamW states", trainable * state / n, "always",
+         ("fp32 master + m + v" if state == 12 else f"m, v × {t_bytes} B") + per)
     kl = not run.tasks or any(t.beta > 0 for t in run.tasks.values())
-    _add(terms, "reference", "reference model", n_all * w if kl and not lc.enabled else 0,
+    _add(terms, "reference", "reference model", n_all * w / n if kl and not lc.enabled else 0,
          "always", "every task β = 0: none" if not kl else
-         "LoRA: the base with adapters off" if lc.enabled else "a frozen full copy")
+         "LoRA: the base with adapters off" if lc.enabled else "a frozen full copy" + per)
     _add(terms, "overhead", "CUDA context + allocator", CUDA_OVERHEAD if device == "cuda" else 0,
          "always", "fixed" if device == "cuda" else "none on CPU")
     # foreach AdamW holds one sqrt(v)-sized buffer while it steps (an own phase: no activations)
-    _add(terms, "adamw_step", "AdamW step temporaries", trainable * t_bytes, "optimizer step",
-         "foreach AdamW's sqrt(v) buffer")
+    _add(terms, "adamw_step", "AdamW step temporaries", trainable * t_bytes / n,
+         "optimizer step", "foreach AdamW's sqrt(v) buffer" + per)
+    return terms
+
+
+def _fsdp_terms(shape: Architecture, run: RunConfig, c: int) -> list[Term]:
+    """What FSDP2 gathers on top of the shards, in the compute dtype (`c` bytes).
+
+    Training: the root unit (embeddings, head, final norm: FSDP2 keeps the root gathered from
+    its forward to the end of its backward) plus the running block and the one prefetched
+    behind it — or, with `reshard_after_forward: false`, every block until its backward —
+    and, in backward, the unsharded gradients of the root and one block before their
+    reduce-scatter (cast to fp32 for the reduction under bf16 mixed precision). Rollout with
+    the native or hf engine: the whole model gathered once for generation.
+    """
+    lc, dc = run.lora, run.distributed
+    rest = shape.params - shape.layers * shape.block_params
+    blocks = 2 if dc.reshard_after_forward else shape.layers
+    terms: list[Term] = []
+    gathered = (rest + blocks * shape.block_params) * c
+    how = (f"root {rest / 1e6:,.0f} M + {blocks} blocks × {shape.block_params / 1e6:,.0f} M "
+           f"× {c} B" + (" (running + prefetched)" if dc.reshard_after_forward
+                         else " (reshard_after_forward: false)"))
+    _add(terms, "fsdp_gather", "FSDP gathered layers", gathered, "training", how)
+    if lc.enabled:  # the adapters of one block (the root has none unless LoRA targets it)
+        unit = sum(lc.r * (m.in_features + m.out_features)
+                   for m in lora_modules(shape, lc.target_modules) if m.layer == 0)
+    else:
+        unit = rest + shape.block_params
+    mixed = dc.mixed_precision == "bf16"
+    # gradients come in the compute dtype; bf16 mixed precision reduces them in fp32
+    reduce = (2 + 4) if mixed else ADAPTER_BYTES if lc.enabled else c
+    _add(terms, "fsdp_grads", "FSDP unsharded gradients", unit * reduce, "training",
+         f"{unit / 1e6:,.1f} M × {reduce} B before reduce-scatter")
+    if run.sft.enabled:
+        _add(terms, "fsdp_gather_sft", "FSDP gathered layers (SFT)", gathered + unit * reduce,
+             "SFT warm-up", "as in training")
+    if run.rollout.engine != "vllm":
+        _add(terms, "fsdp_rollout", "FSDP full model for rollout", shape.params * c,
+             "generation", f"{shape.params / 1e9:.2f} B × {c} B gathered to generate")
     return terms
 
 
@@ -263,11 +392,13 @@ def _activations(shape: Architecture, run: RunConfig, p: int, device: str, batch
     return tokens * shape.layers * per_layer + head, per_layer
 
 
-def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str) -> list[Term]:
-    """Generation (KV cache, prefill) and training (activations, logits) of one step."""
+def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
+                 layout: Layout) -> list[Term]:
+    """Generation (KV cache, prefill) and training (activations, logits) of one step, for
+    this process's share of it."""
     prompt, completion = derive_lengths(run.rollout)
-    seq, b = prompt + completion, run.train.micro_batch_size
-    n_gen = b * run.train.gradient_accumulation_steps  # prompts per step × K, generated at once
+    seq, b = prompt + completion, layout.micro_batch
+    n_gen = layout.rows  # this process's prompts × K, generated at once
     kv_token = 2 * shape.layers * shape.kv_dim * p
     terms: list[Term] = []
     _add(terms, "kv_cache", "KV cache (generation)", kv_token * seq * n_gen, "generation",

@@ -25,6 +25,14 @@ class Step:
     """What the change costs in quality or speed."""
     changes: dict[str, Any] = field(default_factory=dict, repr=False)
     rung: int = field(default=0, repr=False)
+    nproc: int | None = None
+    """The number of processes to launch, when the change is to run on more of them."""
+
+    @property
+    def arguments(self) -> list[str]:
+        """The command-line arguments that make this change (`--nproc N`, `--set K=V` ...)."""
+        launch = ["--nproc", str(self.nproc)] if self.nproc else []
+        return launch + [arg for o in self.overrides for arg in ("--set", o)]
 
 
 def _set(changes: Mapping[str, Any]) -> list[str]:
@@ -36,9 +44,15 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 
 Rung = tuple[str, list[dict[str, Any]], str]  # what, candidate changes mildest first, cost
+EstimateFn = Callable[[RunConfig, int], MemoryEstimate]
+"""The estimate of a config for a number of processes (per process)."""
+
+FSDP_COST = ("each layer's parameters are all-gathered in forward and again in backward and "
+             "gradients reduce-scattered (~1.5× DDP's traffic), plus one full gather per rollout")
+DDP_COST = "one all-reduce of the gradients per step; every process holds the whole model"
 
 
-def _micro_batch(run: RunConfig) -> Rung:
+def _micro_batch(run: RunConfig, nproc: int) -> Rung:
     mb = run.train.micro_batch_size
     total = mb * run.train.gradient_accumulation_steps
     options = [{"train.micro_batch_size": d, "train.gradient_accumulation_steps": total // d}
@@ -48,20 +62,20 @@ def _micro_batch(run: RunConfig) -> Rung:
             "forward/backward passes make the update slower")
 
 
-def _checkpointing(run: RunConfig) -> Rung:
+def _checkpointing(run: RunConfig, nproc: int) -> Rung:
     options = [] if run.model.gradient_checkpointing else [{"model.gradient_checkpointing": True}]
     return ("gradient checkpointing", options,
             "none in quality; each layer is recomputed in backward (~30 % slower update)")
 
 
-def _four_bit(run: RunConfig) -> Rung:
+def _four_bit(run: RunConfig, nproc: int) -> Rung:
     ok = run.lora.enabled and not run.model.load_in_4bit
     return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
             "small quality cost (QLoRA reports parity with 16-bit LoRA); slower matmuls; needs "
             "CUDA and bitsandbytes")
 
 
-def _completions(run: RunConfig) -> Rung:
+def _completions(run: RunConfig, nproc: int) -> Rung:
     prompt, completion = derive_lengths(run.rollout)
     # round to multiples of 8 (96, 64, …) as people write them
     lengths = {c // 8 * 8 if c >= 16 else max(1, c) for c in (completion * 3 // 4, completion // 2)}
@@ -72,7 +86,7 @@ def _completions(run: RunConfig) -> Rung:
             "answers that need more tokens are cut and score worse: watch rollout/truncated_frac")
 
 
-def _fewer_generations(run: RunConfig) -> Rung:
+def _fewer_generations(run: RunConfig, nproc: int) -> Rung:
     k, mb = run.rollout.num_generations, run.train.micro_batch_size
     prompts = run.prompts_per_step
     options = []
@@ -88,7 +102,7 @@ def _half_quarter(n: int) -> list[int]:
     return sorted({max(1, n // 2), max(1, n // 4)} - {n}, reverse=True)
 
 
-def _lower_rank(run: RunConfig) -> Rung:
+def _lower_rank(run: RunConfig, nproc: int) -> Rung:
     lc = run.lora
     options = [{"lora.r": r, "lora.alpha": max(1, round(lc.alpha * r / lc.r))}
                for r in _half_quarter(lc.r)]
@@ -96,28 +110,43 @@ def _lower_rank(run: RunConfig) -> Rung:
             "less adapter capacity (alpha scaled to keep alpha/r); saves little memory")
 
 
-def _sft_batch(run: RunConfig) -> Rung:
+def _sft_batch(run: RunConfig, nproc: int) -> Rung:
     options = [{"sft.batch_size": b} for b in _half_quarter(run.sft.batch_size)]
     return ("smaller SFT warm-up batch", options if run.sft.enabled else [],
             "noisier warm-up gradients (the SFT loop does not accumulate); consider more "
             "sft.steps")
 
 
-RUNGS: tuple[Callable[[RunConfig], Rung], ...] = (
-    _micro_batch, _checkpointing, _sft_batch, _four_bit, _completions, _fewer_generations,
-    _lower_rank)
+def _shard(run: RunConfig, nproc: int) -> Rung:
+    """FSDP2 over the processes already launched (with one it would shard nothing)."""
+    options: list[dict[str, Any]] = []
+    if nproc > 1 and run.distributed.strategy != "fsdp":
+        options.append({"distributed.strategy": "fsdp"})
+    mixed = run.model.dtype == "float32" and run.distributed.mixed_precision == "none"
+    if nproc > 1 and mixed:
+        # fp32 shards, bf16 compute: halves what is gathered and the activations
+        options.append({"distributed.strategy": "fsdp", "distributed.mixed_precision": "bf16"})
+    return ("shard with FSDP2", options, "none in quality" + (
+        " (mixed_precision bf16: bf16 matmuls, gradients reduced in fp32)" if mixed else "")
+        + f"; {FSDP_COST}")
+
+
+RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
+    _micro_batch, _checkpointing, _shard, _sft_batch, _four_bit, _completions,
+    _fewer_generations, _lower_rank)
 """Quality-neutral changes first (they cost only speed), then those that cost quality."""
 
 
-def ladder(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
-           gpu_bytes: int) -> list[Step]:
-    """Config changes, cheapest first and cumulative, until the estimate fits `gpu_bytes`.
+def ladder(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, nproc: int = 1
+           ) -> list[Step]:
+    """Config changes, cheapest first and cumulative, until the estimate (per process, for
+    `nproc` processes) fits `gpu_bytes`.
 
     Each rung takes its mildest setting that fits, else its strongest, and is skipped when it
     saves nothing. Empty when the run already fits; the last step's `total` still exceeds the
-    GPU when all rungs together are not enough.
+    GPU when all rungs together are not enough. Running on more GPUs is :func:`scale_out`.
     """
-    steps = _climb(estimate_fn, run, gpu_bytes, 1)
+    steps = _climb(estimate_fn, run, gpu_bytes, 1, nproc)
     if not steps or steps[0].rung != 0 or steps[-1].total > gpu_bytes:
         return steps
     # A later rung (checkpointing) may leave room for a larger micro-batch than the first rung
@@ -125,23 +154,23 @@ def ladder(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
     total = run.train.micro_batch_size * run.train.gradient_accumulation_steps
     picked = steps[0].changes["train.micro_batch_size"]
     for d in range(run.train.micro_batch_size - 1, picked, -1):
-        alt = _climb(estimate_fn, run, gpu_bytes, d) if total % d == 0 else []
+        alt = _climb(estimate_fn, run, gpu_bytes, d, nproc) if total % d == 0 else []
         if alt and alt[-1].total <= gpu_bytes and alt[-1].rung <= steps[-1].rung:
             return alt
     return steps
 
 
-def _climb(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
-           gpu_bytes: int, min_micro_batch: int) -> list[Step]:
-    current = estimate_fn(run).total
+def _climb(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, min_micro_batch: int,
+           nproc: int) -> list[Step]:
+    current = estimate_fn(run, nproc).total
     steps: list[Step] = []
     for index, rung in enumerate(RUNGS):
         if current <= gpu_bytes:
             break
-        what, options, cost = rung(run)
+        what, options, cost = rung(run, nproc)
         options = [o for o in options if o.get("train.micro_batch_size", 1 << 30) >= min_micro_batch
                    or rung is not _micro_batch]
-        tried = [(opt, estimate_fn(with_changes(run, opt)).total) for opt in options]
+        tried = [(opt, estimate_fn(with_changes(run, opt), nproc).total) for opt in options]
         tried = [(opt, total) for opt, total in tried if total < current]
         if not tried:
             continue
@@ -151,3 +180,32 @@ def _climb(estimate_fn: Callable[[RunConfig], MemoryEstimate], run: RunConfig,
         steps.append(Step(f"{what}: {shown}", _set(opt), current - total, total, cost, opt, index))
         run, current = with_changes(run, opt), total
     return steps
+
+
+def scale_out(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, nproc: int = 1,
+              max_nproc: int = 64) -> Step | None:
+    """Running on more GPUs instead of cutting the run: the fewest processes (more than
+    `nproc`, at most `max_nproc`, dividing the prompts per step) at which the per-process estimate fits
+    `gpu_bytes` under `ddp` or `fsdp`, as the run is or else with gradient checkpointing.
+
+    No quality cost, only GPUs and communication. At equal counts the run as it is beats
+    one with checkpointing, and ddp beats fsdp (less traffic; under LoRA fsdp also gathers
+    the whole base for every rollout). None when nothing fits within `max_nproc`.
+    """
+    current = estimate_fn(run, nproc).total
+    variants: list[dict[str, Any]] = [{}]
+    if not run.model.gradient_checkpointing:
+        variants.append({"model.gradient_checkpointing": True})
+    # fsdp over the processes already there is the ladder's `_shard` rung
+    counts = [n for n in range(nproc + 1, max_nproc + 1) if run.prompts_per_step % n == 0]
+    for n in counts:
+        for extra in variants:
+            for strategy, cost in (("ddp", DDP_COST), ("fsdp", FSDP_COST)):
+                changes = {"distributed.strategy": strategy, **extra}
+                total = estimate_fn(with_changes(run, changes), n).total
+                if total <= gpu_bytes:
+                    what = f"{strategy} over {n} processes" + (
+                        ", gradient checkpointing" if extra else "")
+                    return Step(what, _set(changes), current - total, total, cost, changes,
+                                len(RUNGS), n)
+    return None

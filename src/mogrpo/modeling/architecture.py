@@ -110,6 +110,9 @@ class Architecture:
     tied: bool
     params: int
     """Every parameter of the model (a tied embedding counted once)."""
+    block_params: int
+    """The parameters of one decoder block (norms and biases included); the rest
+    (`params - layers * block_params`) are the embeddings, the head and the final norm."""
     rms_norms: int
     """RMSNorms per block (HF's upcast to fp32 and keep their input)."""
     layer_norms: int
@@ -200,6 +203,7 @@ class Architecture:
             vocab=tree.head.out_features,
             tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
             params=sum(p.numel() for p in model.parameters()),
+            block_params=sum(p.numel() for p in block.parameters()),
             rms_norms=len(norms) - layer_norms, layer_norms=layer_norms,
             activation="output" if "ReLU" in kinds else "gelu_new" if "NewGELUActivation" in kinds
             else "input",

@@ -1,0 +1,227 @@
+"""The memory planner per process: ddp replicates, fsdp shards, both split the step; the ladder
+and `mogrpo memory --nproc` suggest FSDP2 or more GPUs. Figures computed by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mogrpo.config import RunConfig
+from mogrpo.errors import ConfigError
+from mogrpo.memory import GIB, estimate, ladder, main, resolve_strategy, scale_out
+from mogrpo.modeling.architecture import Architecture
+
+# Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, SwiGLU 8192,
+# vocabulary 128256, tied embeddings.
+LLAMA_1B = {
+    "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
+    "vocab_size": 128256, "tie_word_embeddings": True,
+}
+# per block: q, o 2048² + k, v 2048·512 + gate, up, down 2048·8192 + 2 RMSNorms 2048
+BLOCK = 2 * 4_194_304 + 2 * 1_048_576 + 3 * 16_777_216 + 2 * 2048
+ROOT = 128_256 * 2048 + 2048  # the (tied) embedding and the final norm
+N = 16 * BLOCK + ROOT
+# one training micro-batch of 8 × 512 tokens, fp32, full fine-tuning (test_memory.py's rules):
+# per token and layer 4·2·2048 (RMSNorm inputs) + 4·(2·2048 + 2·512) (q, k, v, out)
+# + 3·4·8192 (SwiGLU) + 4·(2·2048 + 2·2048 + 8192) (inputs of trainable weights) = 200,704 B;
+# head: final norm input 4096·4·2048 + normed and head inputs 4·2048·(4096 + 8·257)
+ACTIVATIONS_MB8 = 8 * 512 * 16 * 200_704 + 4096 * 4 * 2048 + 4 * 2048 * (4096 + 8 * 257)
+LOGITS_MB8 = 8 * 128_256 * (4 * 257 + 4 * 256)  # fp32 logits over 257 positions + log-softmax
+
+
+def run_1b(**sections) -> RunConfig:
+    """Full fine-tuning in fp32 (fp32 AdamW m, v), β > 0, 32 completions per step (8 prompts
+    × K 4) in micro-batches of 8."""
+    data = {
+        "model": {"name_or_path": "llama-1b", "dtype": "float32"},
+        "tasks": {"t": {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.04}},
+        "rollout": {"num_generations": 4, "max_seq_length": 512, "max_prompt_length": 256,
+                    "max_completion_length": 256},
+        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 4},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return RunConfig.model_validate(data)
+
+
+def test_block_and_root_parameters():
+    arch = Architecture.from_config(LLAMA_1B)
+    assert (arch.block_params, arch.params) == (60_821_504, 1_235_814_400)
+    assert arch.params == N
+
+
+def test_single_process_is_unchanged_by_the_layout():
+    est = estimate(LLAMA_1B, run_1b())
+    assert est["weights"] == est["gradients"] == est["reference"] == N * 4
+    assert est["optimizer"] == N * 8
+    assert est["activations"] == ACTIVATIONS_MB8 == 13_237_288_960
+    assert est["logits"] == LOGITS_MB8
+    assert est["kv_cache"] == 2 * 16 * 512 * 4 * 512 * 32  # all 32 completions at once
+    assert "ddp_buckets" not in [t.key for t in est.terms]
+    assert est.title.startswith("memory estimate: llama")
+
+
+@pytest.mark.parametrize("nproc", [2, 8])
+def test_ddp_replicates_the_model_and_splits_the_step(nproc):
+    est = estimate(LLAMA_1B, run_1b(), nproc=nproc)  # strategy auto = ddp
+    # every process: the whole model, gradients, DDP's bucket copy of them, m and v, reference
+    assert est["weights"] == est["gradients"] == est["ddp_buckets"] == est["reference"] == N * 4
+    assert est["optimizer"] == N * 8
+    assert est.phase("always") == N * 24 + GIB  # 26.6 GiB whatever the process count
+    # each process generates 32 / nproc completions and trains on micro-batches of at most 8
+    rows = 32 // nproc
+    assert est["kv_cache"] == 2 * 16 * 512 * 4 * 512 * rows
+    assert est["activations"] == ACTIVATIONS_MB8 * min(8, rows) // 8
+    assert est["logits"] == LOGITS_MB8 * min(8, rows) // 8
+    assert est.total == N * 24 + GIB + est.phase("training")
+    assert est.title.startswith(f"memory estimate per process (ddp, {nproc} processes)")
+
+
+def test_fsdp_shards_state_and_adds_what_it_gathers():
+    two = estimate(LLAMA_1B, run_1b(distributed={"strategy": "fsdp"}), nproc=2)
+    assert two["weights"] == two["gradients"] == two["reference"] == N * 2  # 4 B / 2
+    assert two["optimizer"] == N * 4 and two["adamw_step"] == N * 2
+    assert "ddp_buckets" not in [t.key for t in two.terms]
+    # training: the root (263 M) stays gathered, plus the running and the prefetched block,
+    # fp32; in backward the root's and one block's unsharded gradients
+    assert two["fsdp_gather"] == (ROOT + 2 * BLOCK) * 4 == 1_537_253_376
+    assert two["fsdp_grads"] == (ROOT + BLOCK) * 4 == 1_293_967_360
+    assert two["fsdp_rollout"] == N * 4  # the whole model gathered to generate
+    training = ACTIVATIONS_MB8 + LOGITS_MB8 + 1_537_253_376 + 1_293_967_360
+    assert two.total == N * 10 + GIB + training  # 12.5 + 16.9 = 29.4 GiB per process
+    assert f"{two.total / GIB:7.2f}" == "  29.44"
+
+    eight = estimate(LLAMA_1B, run_1b(distributed={"strategy": "fsdp"}), nproc=8)
+    assert eight["weights"] == eight["gradients"] == eight["reference"] == N // 2  # 4 B / 8
+    assert eight["optimizer"] == N  # 8 B / 8
+    assert eight.phase("always") == N * 5 // 2 + GIB
+    # 4 completions each: micro-batches of 4, half the activations of 8
+    assert eight["activations"] == ACTIVATIONS_MB8 // 2
+    assert eight.total == N * 5 // 2 + GIB + ACTIVATIONS_MB8 // 2 + LOGITS_MB8 // 2 + \
+        1_537_253_376 + 1_293_967_360
+
+
+def test_fsdp_bf16_mixed_precision_halves_the_compute_copy():
+    mixed = estimate(LLAMA_1B, run_1b(distributed={"strategy": "fsdp",
+                                                   "mixed_precision": "bf16"}), nproc=8)
+    assert mixed["weights"] == N // 2  # the shards stay fp32
+    assert mixed["fsdp_gather"] == (ROOT + 2 * BLOCK) * 2
+    assert mixed["fsdp_rollout"] == N * 2
+    # bf16 gradients, cast to fp32 for the reduce-scatter
+    assert mixed["fsdp_grads"] == (ROOT + BLOCK) * (2 + 4)
+    # activations are those of a bf16 model
+    bf16 = estimate(LLAMA_1B, run_1b(model={"dtype": "bfloat16"},
+                                     train={"micro_batch_size": 4,
+                                            "gradient_accumulation_steps": 8}))
+    assert mixed["activations"] == bf16["activations"]
+
+
+def test_fsdp_without_reshard_after_forward_keeps_every_block():
+    est = estimate(LLAMA_1B, run_1b(distributed={"strategy": "fsdp",
+                                                 "reshard_after_forward": False}), nproc=2)
+    assert est["fsdp_gather"] == N * 4
+
+
+def test_fsdp_reference_absent_under_lora_and_at_beta_zero():
+    lora = estimate(LLAMA_1B, run_1b(lora={"enabled": True, "r": 8},
+                                     distributed={"strategy": "fsdp"}), nproc=2)
+    assert lora["reference"] == 0 and lora["weights"] == N * 2
+    no_kl = estimate(LLAMA_1B, run_1b(tasks={"t": {"data": "x", "rewards": ["f"], "beta": 0.0}},
+                                      distributed={"strategy": "fsdp"}), nproc=2)
+    assert no_kl["reference"] == 0
+
+
+def test_vllm_rollout_gathers_nothing():
+    est = estimate(LLAMA_1B, run_1b(rollout={"engine": "vllm"},
+                                    distributed={"strategy": "fsdp"}), nproc=2)
+    assert "fsdp_rollout" not in [t.key for t in est.terms]
+
+
+def test_process_counts_the_trainer_would_refuse():
+    with pytest.raises(ConfigError, match="8 prompts per step do not split over 3 processes"):
+        resolve_strategy(run_1b(), 3)
+    with pytest.raises(ConfigError, match="strategy: none trains in one process, but --nproc "
+                       "is 2; set distributed.strategy to ddp, fsdp or auto"):
+        resolve_strategy(run_1b(distributed={"strategy": "none"}), 2)
+    with pytest.raises(ConfigError, match="--nproc 0"):
+        resolve_strategy(run_1b(), 0)
+    assert [resolve_strategy(run_1b(), n) for n in (1, 2)] == ["none", "ddp"]
+    # one process is never wrapped, whatever the config says
+    fsdp = run_1b(distributed={"strategy": "fsdp"})
+    assert resolve_strategy(fsdp, 1) == "none"
+    assert estimate(LLAMA_1B, fsdp).total == estimate(LLAMA_1B, run_1b()).total
+
+
+def fn(c, n):
+    return estimate(LLAMA_1B, c, nproc=n)
+
+
+def test_one_gpu_too_small_suggests_fsdp_over_more_gpus():
+    gpu = 32 * GIB
+    run = run_1b()
+    assert fn(run, 1).total > gpu  # 38.3 GiB
+    # ddp over 2 still holds 26.6 GiB of state per process: no; fsdp over 2 fits as it is
+    assert fn(run, 2).total > gpu
+    step = scale_out(fn, run, gpu)
+    assert (step.nproc, step.changes) == (2, {"distributed.strategy": "fsdp"})
+    assert step.total == N * 10 + GIB + ACTIVATIONS_MB8 + LOGITS_MB8 + 1_537_253_376 + \
+        1_293_967_360
+    assert step.arguments == ["--nproc", "2", "--set", "distributed.strategy=fsdp"]
+    # on 16 GiB, fsdp over 2 needs 18.4 GiB even with checkpointing: 4 processes
+    small = scale_out(fn, run, 16 * GIB)
+    assert (small.nproc, small.changes) == (4, {"distributed.strategy": "fsdp",
+                                                "model.gradient_checkpointing": True})
+    assert small.total <= 16 * GIB
+    assert scale_out(fn, run, 2 * GIB) is None  # the CUDA context alone is a GiB
+
+
+def test_equal_process_counts_prefer_ddp():
+    # a LoRA run: fsdp over 2 would fit too, but ddp moves less over the network
+    lora = {"enabled": True, "r": 16}
+    run = run_1b(lora=lora, model={"dtype": "bfloat16"},
+                 train={"micro_batch_size": 32, "gradient_accumulation_steps": 1})
+    gpu = fn(run, 1).total - GIB
+    step = scale_out(fn, run, gpu)
+    assert (step.nproc, step.changes) == (2, {"distributed.strategy": "ddp"})
+    assert fn(run_1b(lora=lora, model={"dtype": "bfloat16"},
+                     train={"micro_batch_size": 32, "gradient_accumulation_steps": 1},
+                     distributed={"strategy": "fsdp"}), 2).total <= gpu
+
+
+def test_ladder_shards_the_processes_already_launched():
+    steps = ladder(fn, run_1b(), 20 * GIB, nproc=2)
+    shard = next(s for s in steps if s.change.startswith("shard with FSDP2"))
+    assert shard.changes["distributed.strategy"] == "fsdp"
+    assert shard.arguments[:2] == ["--set", "distributed.strategy=fsdp"]
+    assert steps[-1].total <= 20 * GIB
+    # more GPUs means more than the 2 already there (fsdp over 2 is the rung above)
+    assert scale_out(fn, run_1b(), 20 * GIB, nproc=2).nproc == 4
+    # with one process there is nothing to shard
+    assert not any(s.change.startswith("shard") for s in ladder(fn, run_1b(), 20 * GIB))
+
+
+def test_memory_command_per_process(tmp_path: Path, capsys):
+    model = tmp_path / "llama-1b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_1B), encoding="utf-8")
+    data = run_1b().model_dump(mode="json")
+    data["model"]["name_or_path"] = str(model)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert main([str(path), "--gpu-memory", "32GiB"]) == 3
+    out = capsys.readouterr().out
+    assert "does not fit: 38.3 GiB > 32.0 GiB" in out
+    assert "or, at no cost in quality, on more GPUs (one process each):\n  1. fsdp over 2 " \
+        "processes — saves 8.9 GiB → 29.4 GiB per process" in out
+    assert "     --nproc 2 --set distributed.strategy=fsdp" in out
+    assert main([str(path), "--gpu-memory", "32GiB", "--nproc", "2", "--set",
+                 "distributed.strategy=fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory estimate per process (fsdp, 2 processes): llama")
+    assert "fits: 29.4 of 32.0 GiB per process" in out
+    assert main([str(path), "--nproc", "3"]) == 2
+    assert "error: 8 prompts per step do not split over 3 processes" in capsys.readouterr().err
