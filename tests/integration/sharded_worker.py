@@ -11,7 +11,8 @@ rank), so a resume that did not restore them would train on other batches. Modes
   OUT/hf); the full weights and optimizer state after steps 2 and 4 go to OUT/full-2.pt and
   OUT/full-4.pt (process 0).
 - `resume`: pick the checkpoint (`--resume auto`), load it; OUT/loaded.pt holds what was
-  loaded; if it is step 2, steps 3-4 follow and OUT/full-4.pt holds the result.
+  loaded, OUT/rng-R.pt process R's torch RNG state once restored; if it is step 2, steps 3-4
+  follow and OUT/full-4.pt holds the result.
 - `kill-shard`: as `train`, but process 1 SIGKILLs itself right after writing its shard of
   step 4 (before the barrier); `kill-rename`: process 0 SIGKILLs itself after writing step 4's
   manifest, before the rename.
@@ -19,10 +20,12 @@ rank), so a resume that did not restore them would train on other batches. Modes
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +76,9 @@ def dump(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -
 def main() -> None:
     mode, model_dir, run_dir, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     strategy = sys.argv[5] if len(sys.argv) > 5 else "fsdp"
-    dist.init_process_group("gloo")
+    # a hung collective fails within minutes and shows where it hung
+    faulthandler.dump_traceback_later(240, exit=True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank = dist.get_rank()
     model, optimizer = build(model_dir, strategy)
     vocab = AutoTokenizer.from_pretrained(model_dir).vocab_size
@@ -89,7 +94,8 @@ def main() -> None:
     if mode == "resume":
         loaded = sharded.load_sharded(sharded.pick_resume(run_dir, "auto"), model=model,
                                       optimizer=optimizer)
-        loaded.restore_rng()
+        if loaded.restore_rng():
+            torch.save(torch.get_rng_state(), out / f"rng-{rank}.pt")
         dump(model, optimizer, out / "loaded.pt")
         first = loaded.state["step"] + 1
     else:
