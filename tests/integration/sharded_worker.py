@@ -92,8 +92,8 @@ def main() -> None:
                              config_yaml="seed: 0\n", strategy=strategy)
 
     if mode == "resume":
-        loaded = sharded.load_sharded(sharded.pick_resume(run_dir, "auto"), model=model,
-                                      optimizer=optimizer)
+        loaded = sharded.open_sharded(sharded.pick_resume(run_dir, "auto"))
+        loaded.load_into(model, optimizer)
         if loaded.restore_rng():
             torch.save(torch.get_rng_state(), out / f"rng-{rank}.pt")
         dump(model, optimizer, out / "loaded.pt")

@@ -76,9 +76,10 @@ def test_resume_is_bit_identical(run_with_two, tmp_path):
     fresh, fresh_opt = make(seed=7)
     random.seed(9)
     np.random.seed(9)
-    loaded = sharded.load_sharded(sharded.pick_resume(run, "auto"), model=fresh,
-                                  optimizer=fresh_opt)
+    loaded = sharded.open_sharded(sharded.pick_resume(run, "auto"))  # before the model exists
     assert loaded.state["step"] == 2 and loaded.world_size == 1 and loaded.strategy == "none"
+    assert loaded.state["note"] == "at 2" and loaded.config_yaml == "seed: 0\n"
+    loaded.load_into(fresh, fresh_opt)
     assert loaded.restore_rng()
     for _ in range(2):
         step(fresh, fresh_opt)

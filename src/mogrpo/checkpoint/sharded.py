@@ -29,10 +29,16 @@ such a run continues correctly but not bit-identically to an uninterrupted one.
 Interface (every call is collective: all processes call it, in the same order):
 
     path = save_sharded(run_dir, step, model=, optimizer=, state=, config_yaml=, strategy=)
-    path = pick_resume(run_dir, "auto")            # process 0 picks and verifies, all agree
-    loaded = load_sharded(path, model=, optimizer=)  # weights + optimizer restored in place
+    path = pick_resume(run_dir, "auto")    # process 0 picks and verifies, every process agrees
+    loaded = open_sharded(path)            # verified; JSON state, this process's RNGs
+    ...build and wrap the model and optimizer...
+    loaded.load_into(model, optimizer)     # each process reads its shards (re-shards if needed)
     ...restore loaded.state into the run...; loaded.restore_rng()   # the RNGs last
     save_full_model(model, out_dir, tokenizer=)    # one HF folder, from process 0
+
+(`load_sharded(path, model=, optimizer=)` is `open_sharded` + `load_into` in one call; a health
+rollback uses it and ignores the rest.) Process 0 alone prunes old checkpoints
+(`store.prune`).
 
 `model` is the wrapped policy (FSDP2 `fully_shard`, DDP, or a plain module), a plain
 transformers model or a peft model; only parameters with `requires_grad` are saved, as in
@@ -207,7 +213,8 @@ def pick_resume(run_dir: Path, resume: str) -> Path:
 
 @dataclass
 class ShardedLoaded:
-    """What `load_sharded` read besides the weights and optimizer (already restored)."""
+    """A verified sharded checkpoint's JSON state and this process's RNGs; `load_into` reads
+    its weights and optimizer state once the model is built and wrapped."""
 
     path: Path
     state: dict[str, Any]
@@ -219,6 +226,11 @@ class ShardedLoaded:
     """The world size the checkpoint was saved with."""
     strategy: str
 
+    def load_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every process reads its shards of the weights and optimizer state into `model` and
+        `optimizer`, wrapped as they will train; another world size re-shards (collective)."""
+        _load_tensors(self.path, model, optimizer, self.world_size)
+
     def restore_rng(self) -> bool:
         """Put this process's RNGs back (call it last); False if the checkpoint had none."""
         if self.rng is None:
@@ -227,10 +239,9 @@ class ShardedLoaded:
         return True
 
 
-def load_sharded(path: Path, *, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> ShardedLoaded:
-    """Verify the checkpoint (process 0), then every process reads its shards of the weights
-    and optimizer into `model` and `optimizer` (wrapped as they will train) (collective)."""
+def open_sharded(path: Path) -> ShardedLoaded:
+    """Verify the checkpoint (process 0, every file hashed) and read its JSON state and this
+    process's RNGs; no tensors yet (collective)."""
     rank, world = _rank_world()
     error = None
     if rank == 0:
@@ -244,11 +255,10 @@ def load_sharded(path: Path, *, model: torch.nn.Module,
     manifest = json.loads((path / store.MANIFEST).read_text(encoding="utf-8"))
     saved_world = int(manifest["world_size"])
     if saved_world != world:
-        log.warning("re-sharding checkpoint %s from %d to %d processes: the weights and the "
-                    "optimizer are read whole; the RNGs of processes %s are not restored",
-                    path, saved_world, world,
-                    f"{saved_world}..{world - 1}" if world > saved_world else "(none)")
-    _load_tensors(path, model, optimizer, saved_world)
+        log.warning("checkpoint %s was saved by %d processes, this run has %d: the weights and "
+                    "the optimizer are re-sharded exactly; processes without a saved RNG keep "
+                    "their seeded ones, so the run is not bit-identical to an uninterrupted one",
+                    path, saved_world, world)
     state = json.loads((path / store.STATE).read_text(encoding="utf-8"))
     rng = None
     if rank < saved_world:
@@ -258,6 +268,14 @@ def load_sharded(path: Path, *, model: torch.nn.Module,
     return ShardedLoaded(path=path, state=state, rng=rng,
                          config_yaml=(path / store.CONFIG).read_text(encoding="utf-8"),
                          world_size=saved_world, strategy=manifest.get("strategy", "?"))
+
+
+def load_sharded(path: Path, *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> ShardedLoaded:
+    """`open_sharded` then `load_into` (collective): weights and optimizer restored in place."""
+    loaded = open_sharded(path)
+    loaded.load_into(model, optimizer)
+    return loaded
 
 
 def _load_tensors(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
