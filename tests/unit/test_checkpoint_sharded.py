@@ -188,3 +188,17 @@ def test_a_lora_policy_saves_its_adapter(tmp_path, tiny_model_dir):
     assert len(want) == 8
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_a_failed_save_leaves_nothing_resume_would_pick(run_with_two, monkeypatch):
+    run, model, optimizer = run_with_two
+
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sharded, "save_file", disk_full)  # after the shards were written
+    with pytest.raises(CheckpointError, match="process 0 could not write its RNG state: disk full"):
+        save(run, 3, model, optimizer)
+    assert not (run / "checkpoints" / "step-0000003").exists()
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+    assert sharded.pick_resume(run, "auto").name == "step-0000002"

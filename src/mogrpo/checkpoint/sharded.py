@@ -113,6 +113,18 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+def _raise_if_any_process(error: str | None) -> None:
+    """Raise in every process if any process had an error (a barrier as well)."""
+    if _rank_world()[1] == 1:
+        errors = [error]
+    else:
+        errors = [None] * _rank_world()[1]
+        dist.all_gather_object(errors, error)
+    found = [e for e in errors if e]
+    if found:
+        raise CheckpointError("; ".join(found))
+
+
 def _raise_if_any(error: str | None) -> None:
     """Raise process 0's error in every process, so no process waits for a collective the
     others have left."""
@@ -147,9 +159,12 @@ def save_sharded(run_dir: Path, step: int, *, model: torch.nn.Module,
                      storage_writer=FileSystemWriter(tmp / store.DCP_DIR, sync_files=True))
     except CheckpointException as err:  # a BaseException: carries every process's failure
         raise CheckpointError(f"step {step}: the sharded checkpoint was not saved: {err}") from None
-    _write_rng(tmp, rank)
-    _barrier()  # every process's files are written
-    error = None
+    try:
+        _write_rng(tmp, rank)
+        error = None
+    except OSError as err:
+        error = f"process {rank} could not write its RNG state: {err}"
+    _raise_if_any_process(error)  # also the barrier: every process's files are written
     if rank == 0:
         try:
             _finish(tmp, final, step, world, strategy, state, config_yaml)
