@@ -1,5 +1,6 @@
-"""Checkpoints that never lie: atomic save, manifest and verification (`store`), config drift
-on resume (`resume`), and `mogrpo doctor CHECKPOINT` (`doctor`)."""
+"""Checkpoints that never lie: atomic save, manifest and verification (`store`), the sharded
+state of several processes (`sharded`, imported on its own: it loads torch.distributed.checkpoint),
+config drift on resume (`resume`), and `mogrpo doctor CHECKPOINT` (`doctor`)."""
 
 from mogrpo.checkpoint.resume import Change, check_drift, config_diff, config_hash
 from mogrpo.checkpoint.store import (

@@ -9,7 +9,15 @@ from typing import Any
 import yaml
 
 from mogrpo.checkpoint.resume import config_diff
-from mogrpo.checkpoint.store import CONFIG, MANIFEST, STATE, VERSIONS, verify, versions
+from mogrpo.checkpoint.store import (
+    CONFIG,
+    FORMAT_SHARDED,
+    MANIFEST,
+    STATE,
+    VERSIONS,
+    verify,
+    versions,
+)
 from mogrpo.config import RunConfig
 
 
@@ -23,10 +31,14 @@ def doctor_report(path: Path, config: RunConfig | None = None,
     if not status.ok:
         problems.append(f"checkpoint {path} is {status.status}")
     lines = [f"checkpoint {path}", f"  status   {status.status}  (step {status.step})"]
-    names = sorted(_read_json(path / MANIFEST).get("files", {}))
+    manifest = _read_json(path / MANIFEST)
+    if manifest.get("format") == FORMAT_SHARDED:
+        lines.append(f"  format   sharded (torch.distributed.checkpoint): "
+                     f"{manifest.get('world_size')} processes, strategy {manifest.get('strategy')}")
+    names = sorted(manifest.get("files", {}))
     for name in names:
         problem = next((p for p in status.problems if p.startswith(name + " ")), None)
-        lines.append(f"  {name:<22} {problem or 'ok'}")
+        lines.append(f"  {name:<26} {problem or 'ok'}")
     lines += [f"  {p}" for p in status.problems if not any(p.startswith(n + " ") for n in names)]
     saved = _read_yaml(path / CONFIG)
     state = _read_json(path / STATE)

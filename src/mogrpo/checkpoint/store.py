@@ -6,6 +6,11 @@ depends on — trainable weights (safetensors), optimizer (tensors only, loaded 
 controllers, evals), the resolved config with its hash and the package versions — plus
 `manifest.json` with the SHA-256 and size of every file. It is written to a temporary
 directory, flushed, renamed into place, and only then is `checkpoints/latest` updated.
+
+A checkpoint of sharded state (several processes under DDP or FSDP2, `checkpoint/sharded.py`)
+keeps the same directory, manifest and rename discipline; its manifest says `"format": "dcp"`,
+and its weights and optimizer are `dcp/` (torch.distributed.checkpoint), its RNGs one file per
+process under `rng/`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ STATE = "trainer_state.json"
 CONFIG = "config.yaml"
 VERSIONS = "versions.json"
 REQUIRED = (WEIGHTS, OPTIMIZER, RNG, STATE, CONFIG, VERSIONS)
+FORMAT_SHARDED = "dcp"
+"""The manifest's `format` of a sharded checkpoint (absent: the single-process format)."""
+DCP_DIR = "dcp"
+DCP_METADATA = f"{DCP_DIR}/.metadata"
+RNG_DIR = "rng"
 PACKAGES = ("mogrpo", "torch", "transformers", "peft", "accelerate", "safetensors", "numpy")
 
 
@@ -91,6 +101,19 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             found[name] = "not installed"
     return found
+
+
+def rank_rng_file(rank: int) -> str:
+    """Process `rank`'s RNG file in a sharded checkpoint (relative to the checkpoint)."""
+    return f"{RNG_DIR}/rank-{rank:05d}.safetensors"
+
+
+def required_files(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The files a checkpoint of the manifest's format cannot do without."""
+    if manifest.get("format") == FORMAT_SHARDED:
+        ranks = range(int(manifest.get("world_size", 1)))
+        return (STATE, CONFIG, VERSIONS, DCP_METADATA, *(rank_rng_file(r) for r in ranks))
+    return REQUIRED
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -155,12 +178,22 @@ def save_checkpoint(
     write_json(tmp / STATE, {**state, "step": step, "rng": rng_json})
     (tmp / CONFIG).write_text(config_yaml, encoding="utf-8")
     write_json(tmp / VERSIONS, versions())
-    manifest: dict[str, Any] = {"step": step, "files": {}, "shared": shared}
-    for path in sorted(tmp.iterdir()):
-        _fsync(path)
-        manifest["files"][path.name] = {"sha256": _sha256(path), "size": path.stat().st_size}
+    seal(tmp, final, {"step": step, "files": {}, "shared": shared})
+    return final
+
+
+def seal(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Hash every file under `tmp` into `manifest["files"]` (paths relative to `tmp`), write
+    the manifest, flush, rename `tmp` to `final` and point `latest` at it, in that order."""
+    for path in sorted(tmp.rglob("*")):
+        _fsync(path)  # directories too: their entries must be durable before the rename
+        if path.is_file():
+            manifest["files"][path.relative_to(tmp).as_posix()] = {
+                "sha256": _sha256(path), "size": path.stat().st_size}
     write_json(tmp / MANIFEST, manifest)
     _fsync(tmp / MANIFEST)
+    _fsync(tmp)
+    root = final.parent
     if final.exists():  # the same step saved again (a resumed run passing it): replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -169,7 +202,6 @@ def save_checkpoint(
     pointer.write_text(final.name, encoding="utf-8")
     _fsync(pointer)
     os.replace(pointer, root / LATEST)  # last: a crash before this leaves the old pointer
-    return final
 
 
 def prune(run_dir: Path, keep_last: int, protected: set[int]) -> list[Path]:
@@ -209,7 +241,7 @@ def verify(path: Path) -> CheckpointStatus:
     except json.JSONDecodeError as err:
         return CheckpointStatus(path, step, "corrupt", [f"{MANIFEST} is not valid JSON: {err}"])
     problems, status = [], "ok"
-    for name in REQUIRED:
+    for name in required_files(manifest):
         if name not in manifest["files"] and name not in manifest.get("shared", []):
             problems.append(f"{name} is not listed in the manifest")
             status = "incomplete"

@@ -20,7 +20,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from mogrpo.checkpoint.store import STATE, list_checkpoints
+    from mogrpo.checkpoint.store import FORMAT_SHARDED, MANIFEST, STATE, list_checkpoints
     from mogrpo.errors import ExitCode, MogrpoError
 
     found = list_checkpoints(args.run_dir)
@@ -35,7 +35,14 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             scores = "  ".join(f"{task} {score:.3f}" for task, score in last.items())
         except (OSError, KeyError, IndexError, ValueError):
             pass
-        print(f"{status.path.name}  step {status.step:>6}  {status.status:<10}  {scores}")
+        shards = ""
+        try:
+            manifest = json.loads((status.path / MANIFEST).read_text(encoding="utf-8"))
+            if manifest.get("format") == FORMAT_SHARDED:
+                shards = f"  [{manifest['world_size']} processes, {manifest['strategy']}]"
+        except (OSError, KeyError, ValueError):
+            pass
+        print(f"{status.path.name}  step {status.step:>6}  {status.status:<10}  {scores}{shards}")
         for problem in status.problems:
             print(f"    {problem}")
     return 0 if all(s.ok for s in found) else ExitCode.FOUND_PROBLEM
