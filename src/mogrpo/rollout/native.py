@@ -2,10 +2,16 @@
 
 `generate()` spends most of a small model's decode step in per-token Python (cache objects,
 mask building, processor lists, stopping criteria). This engine keeps only what the math
-needs: the model's own modules (embeddings, norms, projections — LoRA layers included —,
-MLPs, rotary tables, output head) are called directly, attention runs on a cache allocated
-once for prompt + completion budget, and the sampling rules are a few tensor operations
-(`SamplingRules`). Rows that hit a stop id leave the batch, so the cost follows the live rows.
+needs: the model's own modules (embeddings, norms, rotary tables, output head) are called
+directly, attention runs on a cache allocated once for prompt + completion budget, and the
+sampling rules are a few tensor operations (`SamplingRules`). Rows that hit a stop id leave the
+batch, so the cost follows the live rows.
+
+The projections run on plain weights built once per call (`plain_projections`): q/k/v in one
+matrix, gate/up in one, LoRA adapters merged in, and on CPUs packed for oneDNN's float32
+matmul (`mogrpo.algo.cpu_linear`), so a layer costs four matmuls and no module calls. Layers
+that cannot be made plain (quantised, DoRA) run their own modules. On CPUs the one-query
+attention of a decode step is three small operations instead of SDPA's padded flash kernel.
 
 It covers the decoder families whose layers share the Llama layout (pre-norm, rotary,
 grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3.
