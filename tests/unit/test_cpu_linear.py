@@ -97,3 +97,11 @@ def test_model_forward_logprobs_and_gradients_match_without_the_mode(monkeypatch
     torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
     for a, b in zip(on_grads, off_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_availability_check_leaves_the_rng_alone():
+    """Its first call comes at a different point in a resumed run than in an unbroken one."""
+    cpu_linear.available.cache_clear()
+    state = torch.get_rng_state()
+    assert cpu_linear.available()
+    assert torch.equal(torch.get_rng_state(), state)
