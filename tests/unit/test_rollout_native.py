@@ -18,8 +18,9 @@ from mogrpo.rollout.generate import (
     build_generation_config,
     generate_rollout,
 )
+from mogrpo.rollout.native import NativeDecoder
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
-from mogrpo.rollout.sampling import SamplingRules
+from mogrpo.rollout.sampling import SamplingRules, draw
 
 PROMPTS = ["the cat sat on", "答案 因为 the question", "a", "option A B because the context says"]
 FAMILIES = {
@@ -85,16 +86,44 @@ def test_greedy_completions_and_logprobs_match_generate(family, tok):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_sampled_logprobs_match_the_training_forward_with_lora(family, tok):
     model = apply_lora(family_model(family, tok), LoraSettings(r=4, alpha=8, dropout=0.3))
-    with torch.no_grad():  # non-zero adapters, so the LoRA path is really exercised
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    _perturb_adapters(model)
     model.train()  # the engine must turn LoRA dropout off while sampling
     ro = rollout(model, tok, "native", k=4, temperature=0.7, top_k=20, max_new_tokens=12)
     model.eval()
     reference = training_logprobs(model, ro, 0.7)
     torch.testing.assert_close(ro.sampler_logp, reference, atol=1e-5, rtol=0)
     assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout["default"].p == 0.3
+
+
+def _perturb_adapters(model):
+    with torch.no_grad():  # non-zero adapters, so the LoRA path is really exercised
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_magnitude" in name:
+                p.normal_(0, 0.2)
+
+
+def test_lora_is_merged_into_plain_weights_and_dora_runs_its_own_forward(tok):
+    from peft import LoraConfig, get_peft_model
+
+    lora = apply_lora(family_model("qwen2", tok), LoraSettings(r=4, alpha=8, dropout=0.0))
+    assert NativeDecoder(lora).plain is not None  # merged, q/k/v and gate/up fused
+    dora = get_peft_model(family_model("qwen2", tok), LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
+    _perturb_adapters(dora)
+    assert NativeDecoder(dora).plain is None  # DoRA cannot be merged: the modules run
+    ro = rollout(dora, tok, "native", k=2, temperature=0.8, max_new_tokens=8)
+    torch.testing.assert_close(ro.sampler_logp, training_logprobs(dora, ro, 0.8),
+                               atol=1e-5, rtol=0)
+
+
+def test_draw_follows_the_probabilities_and_never_picks_a_zero():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])  # zeros first, inside and last
+    counts = torch.bincount(draw(probs.expand(20000, 6)), minlength=6).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs[probs > 0] * 20000
+    chi2 = float((((counts[probs > 0] - expected) ** 2) / expected).sum())
+    assert chi2 < 9.21  # chi-square 0.99 quantile, 2 degrees of freedom
 
 
 def test_generation_batch_size_splits_without_changing_greedy_output(tok):

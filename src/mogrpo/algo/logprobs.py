@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from mogrpo.algo.cpu_linear import onednn_linears
 from mogrpo.errors import ConfigError
 
 
@@ -126,13 +127,14 @@ def completion_logprobs(
     if _accepts_logits_to_keep(model):
         # Only positions P-1 .. P+C-1 are projected onto the vocabulary.
         kwargs["logits_to_keep"] = C + 1
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **kwargs,
-    ).logits
+    with onednn_linears(model):  # CPU float32: the linears on oneDNN, forward and backward
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **kwargs,
+        ).logits
     # The logit at position t predicts token t+1: keep P-1 .. P+C-2 for completion tokens.
     logits = logits[:, -(C + 1) : -1, :]  # [B, C, V]
 

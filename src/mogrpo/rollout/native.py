@@ -2,10 +2,16 @@
 
 `generate()` spends most of a small model's decode step in per-token Python (cache objects,
 mask building, processor lists, stopping criteria). This engine keeps only what the math
-needs: the model's own modules (embeddings, norms, projections — LoRA layers included —,
-MLPs, rotary tables, output head) are called directly, attention runs on a cache allocated
-once for prompt + completion budget, and the sampling rules are a few tensor operations
-(`SamplingRules`). Rows that hit a stop id leave the batch, so the cost follows the live rows.
+needs: the model's own modules (embeddings, norms, rotary tables, output head) are called
+directly, attention runs on a cache allocated once for prompt + completion budget, and the
+sampling rules are a few tensor operations (`SamplingRules`). Rows that hit a stop id leave the
+batch, so the cost follows the live rows.
+
+The projections run on plain weights built once per call (`plain_projections`): q/k/v in one
+matrix, gate/up in one, LoRA adapters merged in, and on CPUs packed for oneDNN's float32
+matmul (`mogrpo.algo.cpu_linear`), so a layer costs four matmuls and no module calls. Layers
+that cannot be made plain (quantised, DoRA) run their own modules. On CPUs the one-query
+attention of a decode step is three small operations instead of SDPA's padded flash kernel.
 
 It covers the decoder families whose layers share the Llama layout (pre-norm, rotary,
 grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3.
@@ -16,17 +22,23 @@ grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Ph
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mogrpo.algo.cpu_linear import linear, pack
 from mogrpo.rollout.sampling import SamplingRules
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 _STATIC_ROPE = ("default", "linear", "llama3")
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+# The plain projections copy q/k/v, gate/up and every LoRA layer once per decode call; above
+# this many bytes of copies (a model too large for per-token overhead to matter) the model's
+# own modules are called instead.
+PLAIN_MAX_BYTES = 256 * 2**20
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -77,6 +89,21 @@ class _Attention:
     rotary: object  # the model family's apply_rotary_pos_emb
 
 
+Linear = tuple[Tensor, "Tensor | None"]  # (weight [out, in], bias [out] or None)
+
+
+@dataclass
+class _Plain:
+    """One layer's projections as plain (weight, bias) pairs, LoRA merged in, q/k/v and
+    gate/up fused: a decode step then costs one matmul per pair and no module calls."""
+
+    qkv: Linear  # [(H + 2 H_kv) D, hidden]
+    out: Linear  # o_proj
+    gate_up: Linear  # [2 I, hidden]
+    down: Linear
+    act: Callable[[Tensor], Tensor]
+
+
 class NativeDecoder:
     """Prefill and per-token decode over a preallocated KV cache, for one batch of prompts."""
 
@@ -98,9 +125,11 @@ class NativeDecoder:
                 scaling=getattr(attn, "scaling", head_dim**-0.5),
                 rotary=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
             ))
+        self.plain = plain_projections(self.layers)  # None: call the modules
         self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
         self.values: list[Tensor] = []
         self.valid = torch.empty(0)  # [B, T_max] bool: key positions a query may attend to
+        self.bias = torch.empty(0)  # [B, T_max] float: 0 where valid, -inf elsewhere
         self.positions = torch.empty(0)  # [B] the position id of the next token
         self.length = 0  # columns of the cache filled so far
         self.cos = self.sin = torch.empty(0)  # [T_max, D] rotary tables
@@ -120,6 +149,8 @@ class NativeDecoder:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.valid = torch.zeros(B, total, dtype=torch.bool, device=device)
         self.valid[:, :P] = prompt_mask.bool()
+        self.bias = torch.zeros(B, total, dtype=dtype, device=device).masked_fill_(
+            ~self.valid, float("-inf"))
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate()
         self.positions = positions[:, -1] + 1
         # Causal over real tokens; a pad query sees itself only, so no row is all masked.
@@ -135,7 +166,11 @@ class NativeDecoder:
         x = self.backbone.embed_tokens(tokens[:, None])  # [B, 1, H]
         column = self.length
         self.valid[:, column] = True
-        mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
+        self.bias[:, column] = 0.0
+        if x.device.type == "cpu":  # additive: see _attend_one
+            mask = self.bias[:, None, None, : column + 1]  # [B, 1, 1, S]
+        else:
+            mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
         hidden = self._forward(x, self.positions[:, None], mask)
         self.positions = self.positions + 1
         return self._logits(hidden[:, -1])
@@ -145,10 +180,14 @@ class NativeDecoder:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.valid = self.valid[rows]
+        self.bias = self.bias[rows]
         self.positions = self.positions[rows]
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        return self.head(self.backbone.norm(hidden)).float()  # [B, V]
+        hidden = self.backbone.norm(hidden)
+        if type(self.head) is nn.Linear:
+            return linear(hidden, self.head.weight, self.head.bias).float()  # [B, V]
+        return self.head(hidden).float()
 
     def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """The decoder layers on x [B, T, H] at `positions` [B, T], writing T cache columns."""
@@ -157,7 +196,8 @@ class NativeDecoder:
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + self._attend(i, h, cos, sin, start, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            x = x + (layer.mlp(h) if self.plain is None else _mlp(self.plain[i], h))
         self.length = start + T
         return x
 
@@ -166,7 +206,12 @@ class NativeDecoder:
         a = self.attention[i]
         attn = a.module
         B, T, _ = h.shape
-        q, k, v = _project_qkv(attn, h, a)
+        if self.plain is None:
+            q, k, v = _project_qkv(attn, h, a)
+        else:
+            w, b = self.plain[i].qkv
+            q, k, v = linear(h, w, b).split(
+                [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
         q = q.view(B, T, a.heads, a.head_dim)
         k = k.view(B, T, a.kv_heads, a.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
@@ -177,14 +222,38 @@ class NativeDecoder:
         self.keys[i][:, :, start:end] = k
         self.values[i][:, :, start:end] = v
         keys, values = self.keys[i][:, :, :end], self.values[i][:, :, :end]
-        if a.heads != a.kv_heads and not _SDPA_GQA:
-            groups = a.heads // a.kv_heads
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
-                                             **kwargs)  # [B, H, T, D]
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, a.heads * a.head_dim))
+        if T == 1 and mask.is_floating_point():
+            out = _attend_one(q, keys, values, mask, a.scaling)
+        else:
+            if a.heads != a.kv_heads and not _SDPA_GQA:
+                groups = a.heads // a.kv_heads
+                keys = keys.repeat_interleave(groups, dim=1)
+                values = values.repeat_interleave(groups, dim=1)
+            kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 scale=a.scaling, **kwargs)  # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(B, T, a.heads * a.head_dim)
+        if self.plain is None:
+            return attn.o_proj(out)
+        return linear(out, *self.plain[i].out)
+
+
+def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """Attention of one query per row: q [B, H, 1, D] over keys/values [B, H_kv, S, D] with an
+    additive bias [B, 1, 1, S]. On CPUs, SDPA's flash kernel pads the single query to a block
+    and costs several times these three small operations."""
+    B, H, _, D = q.shape
+    kv_heads = keys.shape[1]
+    q = q.reshape(B, kv_heads, H // kv_heads, D)  # the query heads of each key head together
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + bias  # [B, H_kv, G, S]
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, H_kv, G, D]
+    return out.reshape(B, H, 1, D)
+
+
+def _mlp(p: _Plain, h: Tensor) -> Tensor:
+    """The gated MLP down(act(gate(h)) * up(h)) with gate and up in one matmul."""
+    gate, up = linear(h, *p.gate_up).chunk(2, dim=-1)
+    return linear(p.act(gate) * up, *p.down)
 
 
 def _project_qkv(attn: nn.Module, h: Tensor, a: _Attention) -> tuple[Tensor, Tensor, Tensor]:
@@ -194,6 +263,64 @@ def _project_qkv(attn: nn.Module, h: Tensor, a: _Attention) -> tuple[Tensor, Ten
         k_end = q_end + a.kv_heads * a.head_dim
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
     return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+
+def _plain_linear(module: nn.Module) -> Linear | None:
+    """(weight, bias) of an nn.Linear, or of a peft LoRA layer with its adapters merged in
+    (out of place, as peft computes `W + scale B A`); None for anything else (quantised
+    layers, DoRA, LoRA bias terms), whose own forward must then run."""
+    if type(module) is nn.Linear:
+        return module.weight, module.bias
+    base = module.get_base_layer() if hasattr(module, "lora_A") else None
+    if type(base) is not nn.Linear:
+        return None
+    from mogrpo.errors import ModelError
+    from mogrpo.rollout.weights import merged_lora_weight  # (imports this module)
+
+    try:
+        return merged_lora_weight(module), base.bias
+    except ModelError:  # DoRA or LoRA bias: only the layer's own forward computes it
+        return None
+
+
+def _fuse(parts: list[Linear | None]) -> Linear | None:
+    """One (weight, bias) computing every part's output side by side."""
+    if any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    weight = torch.cat([w for w, _ in parts])
+    if all(b is None for _, b in parts):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+
+
+def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
+    """Every layer's projections as plain tensors, or None when one cannot be made plain or the
+    copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per decode call (the weights change at
+    every optimizer step)."""
+    copied = 0
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                copied += module.weight.numel() * module.weight.element_size()
+    if copied > PLAIN_MAX_BYTES:
+        return None
+    plain = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        names = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+        up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+        if not all(hasattr(mlp, n) for n in (*up, "down_proj", "act_fn")):
+            return None
+        qkv = _fuse([_plain_linear(getattr(attn, n)) for n in names])
+        gate_up = _fuse([_plain_linear(getattr(mlp, n)) for n in up])
+        out, down = _plain_linear(attn.o_proj), _plain_linear(mlp.down_proj)
+        if qkv is None or gate_up is None or out is None or down is None:
+            return None
+        packed = [(pack(w), b) for w, b in (qkv, out, gate_up, down)]
+        plain.append(_Plain(*packed, act=mlp.act_fn))
+    return plain
 
 
 @dataclass

@@ -72,7 +72,7 @@ class SamplingRules:
         """The next token of each row [B]: argmax when greedy, else one draw from softmax."""
         if self.settings.greedy:
             return scores.argmax(dim=-1)
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return draw(torch.softmax(scores, dim=-1))
 
     def observe(self, tokens: Tensor) -> None:
         """Record the tokens just generated [B] for the penalties of the next steps."""
@@ -88,6 +88,21 @@ class SamplingRules:
             self.seen = self.seen[rows]
         if self.counts is not None:
             self.counts = self.counts[rows]
+
+
+def draw(probs: Tensor) -> Tensor:
+    """One token per row of probs [B, V], by inverting the cumulative distribution.
+
+    The same distribution as `torch.multinomial(probs, 1)`, which on CPUs draws an exponential
+    variate for every vocabulary entry: here one uniform per row and a binary search.
+    u is in (0, total], and the search takes the first index whose cumulative mass reaches u,
+    so a zero-probability token is never chosen and the index is always in range. The sum runs
+    in float64: a float32 running sum over a 150k-token vocabulary would misplace the share of
+    the least likely tokens by up to ~1e-7 each.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    u = (1.0 - torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(1)
 
 
 def _top_p(scores: Tensor, top_p: float) -> Tensor:

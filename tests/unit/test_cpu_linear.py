@@ -1,0 +1,107 @@
+"""float32 linears on oneDNN: the same values and gradients as `F.linear`, and the same
+log-probs and gradients from a model forward run inside `onednn_linears`."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from mogrpo.algo import cpu_linear
+from mogrpo.algo.cpu_linear import linear, onednn_linears, pack
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_and_packed_weights_equal_f_linear(bias):
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 7, 48), torch.randn(96, 48)
+    b = torch.randn(96) if bias else None
+    expected = F.linear(x, w, b)
+    torch.testing.assert_close(linear(x, w, b), expected, atol=1e-5, rtol=1e-5)
+    packed = pack(w)
+    assert packed.is_mkldnn  # really the blocked layout, not w itself
+    torch.testing.assert_close(linear(x, packed, b), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x[:3, :1], packed, b), expected[:3, :1], atol=1e-5, rtol=1e-5)
+
+
+def test_other_dtypes_fall_back_to_f_linear():
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    assert not cpu_linear.usable(x, w)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    assert pack(w) is w
+
+
+def test_mode_gives_f_linear_gradients():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 24)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    grads = []
+    for mode in (onednn_linears(layer), None):
+        layer.zero_grad()
+        x.grad = None
+        if mode is None:
+            y = layer(x)
+        else:
+            with mode:
+                y = layer(x)
+            assert y.grad_fn.name().endswith("_LinearBackward")  # the oneDNN function ran
+        (y * torch.linspace(-1, 1, 24)).sum().backward()
+        grads.append((y.detach(), x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()))
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_weight_gets_no_gradient_inside_the_mode():
+    layer = torch.nn.Linear(8, 4).requires_grad_(False)
+    x = torch.randn(2, 8, requires_grad=True)
+    with onednn_linears(layer):
+        y = layer(x)
+    y.sum().backward()
+    assert layer.weight.grad is None
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, 8), atol=1e-6, rtol=1e-6)
+
+
+def test_model_forward_logprobs_and_gradients_match_without_the_mode(monkeypatch):
+    from mogrpo.algo import logprobs as logprobs_module
+
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    prompt = torch.randint(2, 64, (3, 5))
+    completion = torch.randint(2, 64, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    calls = []
+    apply = cpu_linear._Linear.apply
+    monkeypatch.setattr(cpu_linear._Linear, "apply", lambda *a: calls.append(1) or apply(*a))
+
+    def run():
+        model.zero_grad()
+        logp, _ = logprobs_module.completion_logprobs(model, prompt, torch.ones_like(prompt),
+                                                      completion, mask)
+        logp.sum().backward()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    on, on_grads = run()
+    assert len(calls) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the output head
+    monkeypatch.setattr(logprobs_module, "onednn_linears", lambda model: nullcontext())
+    off, off_grads = run()
+    assert len(calls) == 15
+    torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
+    for a, b in zip(on_grads, off_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_availability_check_leaves_the_rng_alone():
+    """Its first call comes at a different point in a resumed run than in an unbroken one."""
+    cpu_linear.available.cache_clear()
+    state = torch.get_rng_state()
+    assert cpu_linear.available()
+    assert torch.equal(torch.get_rng_state(), state)
