@@ -97,7 +97,7 @@ class ParallelPolicy:
         if self.strategy == "ddp":
             self.module.require_backward_grad_sync = last
         elif self.is_fsdp:
-            self.policy.set_requires_gradient_sync(last)
+            self.sharded[-1].set_requires_gradient_sync(last)  # the root, and every layer
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate a loss already divided by the global normaliser; the engine's
@@ -208,30 +208,35 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module, config: DistributedConfig, dist: Dist) -> list[nn.Module]:
-    """`fully_shard` each decoder layer, then the root; gradients summed, not averaged.
+def shard(model: nn.Module, config: DistributedConfig, dist: Dist,
+          layers: list[nn.Module] | None = None) -> list[nn.Module]:
+    """`fully_shard` each decoder layer, then the causal LM as the root; gradients summed,
+    not averaged.
 
-    Returns the sharded modules, root last. The shards are then filled from process 0's full
+    The root is the Hugging Face causal LM, not a peft wrapper around it: `generate()` and the
+    adapters' forward both enter through it, so FSDP2 sees one root whichever runs first.
+    `layers` defaults to `decoder_layers(model)`. Returns the sharded modules, root last. The shards are then filled from process 0's full
     weights, so every process starts from the same model whatever it loaded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     # references, not copies: fully_shard copies each process's part into its own storage
-    full = {k: v.detach() for k, v in model.state_dict().items()} if dist.is_main else {}
+    root = unwrap_causal_lm(model)
+    full = {k: v.detach() for k, v in root.state_dict().items()} if dist.is_main else {}
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config.mixed_precision == "bf16" else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model) if layers is None else layers:
         fully_shard(layer, mp_policy=precision,
                     reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mp_policy=precision, reshard_after_forward=False)
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    sharded.remove(model)
-    sharded.append(model)
+    fully_shard(root, mp_policy=precision, reshard_after_forward=False)
+    sharded = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    sharded.remove(root)
+    sharded.append(root)
     for module in sharded:
         # one reduction that sums: the loss is already divided by the global normaliser
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
-    set_model_state_dict(model, full, options=StateDictOptions(
+    set_model_state_dict(root, full, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True, strict=False))
     return sharded
 
