@@ -125,6 +125,12 @@ class ParallelPolicy:
         local = sum(float(_local(n).double()) ** 2 for n in norms)
         return torch.tensor(self.dist.sum(local) ** 0.5)
 
+    def reshard(self) -> None:
+        """FSDP2: free every gathered module, so the sharded parameters are the registered
+        ones again (a no-op where they already are)."""
+        for module in self.sharded if self.is_fsdp else []:
+            module.reshard()
+
     @contextmanager
     def gathered(self) -> Iterator[None]:
         """Whole weights in every process for generation and quick-eval (FSDP2: all-gathered
@@ -191,8 +197,11 @@ def parallelize(policy: nn.Module, config: DistributedConfig, dist: Dist,
         shard(reference._module, config, dist)
     log.info("distributed: FSDP2 over %d processes (%d sharded modules, mixed precision %s)",
              dist.world_size, len(sharded), config.mixed_precision)
-    return (ParallelPolicy(policy, "fsdp", dist, sharded=sharded,
-                           reshard_after_forward=config.reshard_after_forward), reference)
+    parallel = ParallelPolicy(policy, "fsdp", dist, sharded=sharded,
+                              reshard_after_forward=config.reshard_after_forward)
+    if reference is not None and reference.kind == "adapter_disabled":
+        reference.settle = parallel.reshard  # peft's switch sets requires_grad on what it sees
+    return parallel, reference
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
