@@ -1,9 +1,11 @@
 """One data-parallel process of the world-size test, run by torchrun (see test_distributed.py).
 
-`gradients(rows, dist)` is the GRPO update's math on a fixed batch: this process's rows in
+`gradients(rows, parallel)` is the GRPO update's math on a fixed batch: this process's rows in
 micro-batches of two, each loss divided by the step's global normaliser (summed over
-processes), gradients summed over processes. The test compares two processes splitting the
-rows unevenly with one process holding all of them.
+processes, `Dist.sum`), only the last micro-batch syncing — the gradients are reduced by the
+engine (DDP or FSDP2), as in `GRPOTrainer.update`. The test compares two processes splitting
+the rows unevenly (1 micro-batch and 2) with one process holding all of them; process 1 starts
+from other weights, which the engine replaces by process 0's.
 """
 
 from __future__ import annotations
@@ -14,42 +16,73 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: grpo_batch
 from grpo_batch import make_batch  # noqa: E402
 from mogrpo.algo.logprobs import token_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
+from mogrpo.config.sections import DistributedConfig
 from mogrpo.train.distributed import Dist
+from mogrpo.train.parallel import ParallelPolicy, shard
 
 SHARDS = {0: [0], 1: [1, 2, 3, 4]}  # uneven on purpose: 1 row and 4 rows
 BUDGET = 8
 
 
-def gradients(rows: list[int], dist: Dist, aggregation: str) -> list[torch.Tensor]:
+def wrap(model: torch.nn.Module, strategy: str, dist: Dist) -> ParallelPolicy:
+    """The model under `strategy` (none: as it is), as `mogrpo.train.parallel` wraps a policy."""
+    if strategy == "ddp":
+        return ParallelPolicy(model, "ddp", dist, DistributedDataParallel(model))
+    if strategy == "fsdp":
+        sharded = shard(model, DistributedConfig(strategy="fsdp"), dist, layers=[model.emb])
+        return ParallelPolicy(model, "fsdp", dist, sharded=sharded)
+    return ParallelPolicy(model)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gradients(rows: list[int], dist: Dist, aggregation: str, strategy: str = "none",
+              perturb: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the weights once wrapped, the gradients after one accumulated backward), whole."""
     model, data = make_batch()
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    parallel = wrap(model, strategy, dist)
+    start = [full(p).detach().clone() for p in model.parameters()]
     idx = torch.tensor(rows)
     normalizer = dist.sum(loss_normalizer(data["mask"][idx], aggregation, BUDGET))
-    for start in range(0, len(rows), 2):
-        micro = idx[start:start + 2]
-        logp = token_logprobs(model(data["inputs"][micro]), data["targets"][micro])
-        out = grpo_loss(logp, data["old_logp"][micro], data["advantages"][micro],
-                        data["mask"][micro], normalizer=normalizer, aggregation=aggregation,
-                        ref_logp=data["ref_logp"][micro], beta=data["beta"][micro],
+    micro = [idx[s:s + 2] for s in range(0, len(rows), 2)]
+    plan = parallel.pad(micro)
+    for i, part in enumerate(plan):
+        parallel.sync_gradients(last=i == len(plan) - 1)
+        if part is None:
+            parallel.idle_backward(lambda: token_logprobs(parallel.module(data["inputs"][idx[:1]]),
+                                                          data["targets"][idx[:1]]))
+            continue
+        logp = token_logprobs(parallel.module(data["inputs"][part]), data["targets"][part])
+        out = grpo_loss(logp, data["old_logp"][part], data["advantages"][part],
+                        data["mask"][part], normalizer=normalizer, aggregation=aggregation,
+                        ref_logp=data["ref_logp"][part], beta=data["beta"][part],
                         kl_importance_weight=True)
-        out.loss.backward()
-    params = list(model.parameters())
-    dist.sum_gradients(params)
-    return [p.grad.detach().clone() for p in params]
+        parallel.backward(out.loss)
+    return start, [full(p.grad).detach().clone() for p in model.parameters()]
 
 
 def main() -> None:
     out, aggregations = Path(sys.argv[1]), sys.argv[2:]
     torch_dist.init_process_group("gloo")
     dist = Dist.current()
-    for aggregation in aggregations:
-        grads = gradients(SHARDS[dist.rank], dist, aggregation)
-        torch.save({"grads": grads, "world_size": dist.world_size},
-                   out / f"{aggregation}-rank{dist.rank}.pt")
+    for strategy in ("ddp", "fsdp"):
+        for aggregation in aggregations:
+            start, grads = gradients(SHARDS[dist.rank], dist, aggregation, strategy,
+                                     perturb=dist.rank == 1)
+            torch.save({"grads": grads, "start": start, "world_size": dist.world_size},
+                       out / f"{strategy}-{aggregation}-rank{dist.rank}.pt")
     mine = {"step": 7, "lr": 1e-5, "loss": 0.25 * (dist.rank + 1), "rollout/groups": 2 + dist.rank,
             "time/step_s": 1.0 + dist.rank, "task/a/beta": 0.04, "kl": 0.1 * (dist.rank + 1),
             **({"task/b/kl": 0.5} if dist.rank == 1 else {})}

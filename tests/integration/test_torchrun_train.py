@@ -109,3 +109,69 @@ def test_a_step_that_does_not_split_is_refused(tmp_path, tiny_model):
          "-m", "mogrpo.cli", "train", str(config)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "3 prompts per step do not split over 2 processes" in done.stderr
+
+
+# ---------------------------------------------------------------- FSDP2 (distributed.strategy)
+
+def full_finetune(tmp_path: Path, model: Path, name: str, steps: int, strategy: str) -> Path:
+    """The example config without LoRA: the frozen reference is a copy (sharded under FSDP2)."""
+    path = write_config(tmp_path, model, name, steps)
+    data = yaml.safe_load(path.read_text())
+    data["lora"] = {"enabled": False}
+    data["distributed"] = {"strategy": strategy}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    torchrun(full_finetune(tmp, tiny_model, "fsdp", 3, "fsdp"))
+    torchrun(full_finetune(tmp, tiny_model, "ddp", 3, "ddp"))
+    return tmp
+
+
+def test_fsdp_run_is_one_run_and_matches_ddp(sharded):
+    run = sharded / "fsdp"
+    main, other = lines(run / "metrics.jsonl"), lines(run / ".rank-1" / "metrics.jsonl")
+    assert [m["step"] for m in main] == [1, 2, 3] and other == main
+    assert any(m["loss"] != 0 for m in main) and main[-1]["kl"] > 0  # it trained, off the ref
+    # the same config under DDP: the same numbers (FSDP2 sums its shards' gradients alike)
+    ddp = lines(sharded / "ddp" / "metrics.jsonl")
+    for got, want in zip(main, ddp, strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-7)
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["tag"] for e in evals] == ["start", "end"]  # one process's evals, once each
+    assert "finished: 3 of 3 steps" in (run / "report.md").read_text()
+    # the checkpoint holds the whole weights, gathered to process 0, as under DDP
+    got, want = weights(run / "checkpoints" / "step-0000003"), \
+        weights(sharded / "ddp" / "checkpoints" / "step-0000003")
+    assert sorted(got) == sorted(want)
+    assert all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6) for k in got)
+    # the final model is an ordinary Hugging Face folder holding those weights
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(run / "final" / "model")
+    params = dict(final.named_parameters())
+    assert all(torch.equal(params[k], got[k]) for k in got)
+    assert not (run / ".rank-1" / "final").exists()
+
+
+@pytest.mark.slow  # two more torchrun runs (~40 s on 2 cores)
+def test_fsdp_resume_continues_exactly(sharded, tmp_path, tiny_model):
+    config = full_finetune(tmp_path, tiny_model, "fsdp", 2, "fsdp")
+    torchrun(config)
+    torchrun(config, "--resume", "auto", "--set", "train.max_steps=3")
+    assert lines(tmp_path / "fsdp" / "metrics.jsonl") == lines(sharded / "fsdp" / "metrics.jsonl")
+    a = weights(tmp_path / "fsdp" / "checkpoints" / "step-0000003")
+    b = weights(sharded / "fsdp" / "checkpoints" / "step-0000003")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_strategy_none_with_two_processes_is_refused(tmp_path, tiny_model):
+    config = full_finetune(tmp_path, tiny_model, "none", 1, "none")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "mogrpo.cli", "train", str(config)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "distributed.strategy: none trains in one process, but 2 processes" in done.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -42,6 +42,9 @@ class Reference:
             raise ValueError(f"unknown reference kind {kind!r}")
         self._module = module
         self.kind = kind
+        self.settle: Callable[[], None] | None = None
+        """Called before the adapters are switched off and on again (FSDP2: reshard, so the
+        switch sets `requires_grad` on the sharded parameters, not on gathered copies)."""
 
     @contextmanager
     def model(self) -> Iterator[nn.Module]:
@@ -55,8 +58,12 @@ class Reference:
         flags = {m: m.training for m in self._module.modules()}
         self._module.eval()
         try:
+            if self.settle is not None:
+                self.settle()
             with torch.no_grad(), self._module.disable_adapter():
                 yield self._module
+                if self.settle is not None:
+                    self.settle()
         finally:
             for module, training in flags.items():
                 module.training = training

@@ -1,17 +1,18 @@
-"""Data parallelism: what the GRPO update needs so that W processes do the math of one.
+"""Data parallelism: the process group, and the numbers W processes must share to do the
+math of one.
 
 Each process scores its own prompts' groups and backpropagates its micro-batches with the loss
 divided by the *global* normaliser of the optimizer step (`algo.loss.loss_normalizer` values
-are sums — sequences, tokens, sequences × budget — so the global one is the all-reduced sum).
-Gradients are then summed (not averaged) over processes, so every process holds the
-full-batch gradient and takes the same optimizer step. With one process every call here is a
-no-op and nothing touches torch.distributed.
+are sums — sequences, tokens, sequences × budget — so the global one is the all-reduced sum,
+`Dist.sum`). Gradients and weights are never communicated here: PyTorch's DDP or FSDP2 sum
+the gradients and start every process from process 0's weights (`mogrpo.train.parallel`).
+Metrics are combined here (`reduce_metrics`). With one process every call is a no-op and
+nothing touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,26 +49,6 @@ class Dist:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total.item())
 
-    def sum_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Replace each gradient by its sum over processes, in one flat all-reduce.
-
-        A parameter without a gradient here (unused in this process's forward passes) takes
-        part as zeros and gets the others' sum, so every process ends with the same gradients.
-        """
-        if self.world_size == 1:
-            return
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
-
     def shard(self, items: list) -> list:
         """This process's share of a list every process drew alike (interleaved)."""
         return items[self.rank::self.world_size]
@@ -99,15 +80,6 @@ class Dist:
             else:
                 out[key] = sum(numbers) / len(numbers)
         return out
-
-    def broadcast_parameters(self, model: torch.nn.Module) -> None:
-        """Give every process process 0's weights (as DDP does when it wraps a model): GPU
-        kernels need not be bit-reproducible, so identical warm-ups can still drift apart."""
-        if self.world_size == 1:
-            return
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
 
     def gather(self, value: Any) -> list[Any]:
         """`value` from every process, in rank order (a JSON-able object)."""

@@ -40,6 +40,7 @@ from mogrpo.train.completions import CompletionLog, completion_rows
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
 from mogrpo.train.optim import build_optimizer, build_scheduler
+from mogrpo.train.parallel import ParallelPolicy
 from mogrpo.train.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,11 @@ class ScoredBatch:
 class GRPOTrainer:
     """Runs GRPO steps on a loaded policy; its state lives in checkpointable parts."""
 
-    def __init__(self, ctx: TrainContext, reference: Reference | None) -> None:
+    def __init__(self, ctx: TrainContext, reference: Reference | None,
+                 parallel: ParallelPolicy | None = None) -> None:
         self.ctx = ctx
+        self.parallel = parallel or ParallelPolicy(ctx.policy)
+        """The policy across processes (DDP / FSDP2); one process: the policy itself."""
         self.config: RunConfig = ctx.config
         self.reference = reference
         self.mixer = TaskMixer(ctx.tasks, ctx.config.seed)
@@ -118,15 +122,16 @@ class GRPOTrainer:
 
     def generate(self, picks: list[tuple[int, Example]]) -> Rollout:
         texts, add_special = render_prompts(self.ctx, picks)
-        return generate_rollout(
-            self.ctx.policy, self.ctx.tokenizer, texts, self.ctx.sampling,
-            num_generations=self.config.rollout.num_generations,
-            max_prompt_length=self.config.rollout.prompt_length,
-            add_special_tokens=add_special,
-            engine=self.ctx.engine,
-            generation_batch_size=self.config.rollout.generation_batch_size,
-            record_logprobs=self._sampler_correction,
-        )
+        with self.parallel.gathered():  # FSDP2: whole weights while decoding
+            return generate_rollout(
+                self.ctx.policy, self.ctx.tokenizer, texts, self.ctx.sampling,
+                num_generations=self.config.rollout.num_generations,
+                max_prompt_length=self.config.rollout.prompt_length,
+                add_special_tokens=add_special,
+                engine=self.ctx.engine,
+                generation_batch_size=self.config.rollout.generation_batch_size,
+                record_logprobs=self._sampler_correction,
+            )
 
     @property
     def _sampler_correction(self) -> bool:
@@ -244,27 +249,34 @@ class GRPOTrainer:
     def reference_logprobs(self, batch: ScoredBatch) -> None:
         """Rollout-time log-probs (μ > 1) and reference log-probs (β > 0), micro-batched."""
         need_old = self.config.algorithm.num_iterations > 1
-        need_ref = self.reference is not None and bool((batch.beta > 0).any())
+        # under FSDP2 every forward is collective: all processes run it if any needs it
+        need_ref = self.reference is not None and self.parallel.agree(bool((batch.beta > 0).any()))
         temperature = self.ctx.sampling.temperature
         ids = batch.rollout.completion_ids  # [B, C]
         old = torch.zeros(ids.shape, device=ids.device) if need_old else None
         ref = torch.zeros(ids.shape, device=ids.device) if need_ref else None
-        for rows in self._micro_batches(batch.rollout):
-            args = _slice(batch.rollout, rows)
+        micro_batches = self._micro_batches(batch.rollout)
+        for rows in self.parallel.pad(micro_batches):
+            # None: another process has more rows; FSDP2's forwards are collective, so this
+            # one runs a row of its own alongside and keeps nothing
+            keep = rows is not None
+            args = _slice(batch.rollout, rows if keep else _first_row(micro_batches[0]))
             width = args[2].shape[1]
             if need_old:
-                old[rows, :width] = completion_logprobs(self.ctx.policy, *args,
-                                                        temperature=temperature)[0]
+                logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature)[0]
+                if keep:
+                    old[rows, :width] = logp
             if need_ref:
                 with self.reference.model() as ref_model:
-                    ref[rows, :width] = completion_logprobs(ref_model, *args,
-                                                            temperature=temperature)[0]
+                    logp = completion_logprobs(ref_model, *args, temperature=temperature)[0]
+                if keep:
+                    ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
 
     def update(self, batch: ScoredBatch) -> dict[str, float]:
         """μ optimizer updates on the batch, each accumulating over its micro-batches."""
         algo, ro = self.config.algorithm, batch.rollout
-        policy = self.ctx.policy
+        policy = self.parallel.module  # the DDP wrapper, or the (sharded) policy itself
         policy.train()
         variant = LossVariant.from_config(algo)
         aggregation = resolve_aggregation(algo.loss_type, algo.loss_aggregation)
@@ -281,7 +293,14 @@ class GRPOTrainer:
                   "update_norm": 0.0, "is_weight": 0.0, "is_capped": 0.0}
         for it in range(algo.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            for rows in micro_batches:
+            plan = self.parallel.pad(micro_batches)
+            for i, rows in enumerate(plan):
+                self.parallel.sync_gradients(last=i == len(plan) - 1)  # only the last reduces
+                if rows is None:  # FSDP2: another process has more micro-batches
+                    self.parallel.idle_backward(lambda: completion_logprobs(
+                        policy, *_slice(ro, _first_row(micro_batches[0])),
+                        temperature=self.ctx.sampling.temperature)[0])
+                    continue
                 args = _slice(ro, rows)
                 width = args[2].shape[1]
                 logp, entropy = completion_logprobs(
@@ -298,7 +317,7 @@ class GRPOTrainer:
                     kl_estimator=algo.kl_estimator, kl_importance_weight=algo.kl_importance_weight,
                     variant=variant, importance_weights=weights,
                 )
-                out.loss.backward()  # gradients add up across micro-batches
+                self.parallel.backward(out.loss)  # gradients add up across micro-batches
                 totals["loss"] += out.loss.item() / algo.num_iterations
                 if it == 0:
                     # KL is measured on every completion, also those left out of the loss
@@ -308,9 +327,9 @@ class GRPOTrainer:
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
                     totals["tokens"] += out.num_tokens
                     totals["entropy"] += float(entropy[loss_mask[rows, :width].bool()].sum())
-            params = [p for p in policy.parameters() if p.requires_grad]
-            self.dist.sum_gradients(params)  # the full-batch gradient in every process
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.max_grad_norm)
+            # the engine reduced them: the full-batch gradient (FSDP2: this process's shard)
+            params = [p for p in self.ctx.policy.parameters() if p.requires_grad]
+            grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
             if torch.isfinite(grad_norm):
                 # How far the weights moved (0 = nothing is learned). It needs a copy of the
                 # trainable weights, so it is measured for adapters and small models only.
@@ -320,7 +339,7 @@ class GRPOTrainer:
                 if before is not None:
                     diffs = [torch.linalg.vector_norm(p.detach() - b)
                              for p, b in zip(params, before, strict=True)]
-                    totals["update_norm"] = float(torch.linalg.vector_norm(torch.stack(diffs)))
+                    totals["update_norm"] = float(self.parallel.global_norm(diffs))
                 else:
                     totals["update_norm"] = float("nan")
             else:  # a non-finite gradient would poison AdamW's moments; skip and count it
@@ -604,6 +623,11 @@ def length_buckets(prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
     lengths = prompt_mask.sum(1) + completion_mask.sum(1)  # [B]
     order = torch.argsort(lengths, stable=True)
     return [order[i:i + size] for i in range(0, B, size)]
+
+
+def _first_row(rows: slice | torch.Tensor) -> slice | torch.Tensor:
+    """The first row of a micro-batch (the input of a zero-weighted, collective-only pass)."""
+    return slice(rows.start, rows.start + 1) if isinstance(rows, slice) else rows[:1]
 
 
 def _identical_groups(ro: Rollout) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mogrpo.checkpoint.store import CHECKPOINTS, verify
+from mogrpo.checkpoint.store import CHECKPOINTS, load_weights, verify
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.eval.quick_eval import QuickEval
@@ -27,7 +27,6 @@ from mogrpo.modeling.load import (
     save_pretrained,
     trainable_parameters,
 )
-from mogrpo.modeling.reference import make_reference
 from mogrpo.rollout.generate import SamplingSettings, resolve_stop_ids
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task, load_tasks
@@ -36,6 +35,7 @@ from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
+from mogrpo.train.parallel import ParallelPolicy, full_state, parallelize, resolve_strategy
 from mogrpo.train.sft import run_sft
 from mogrpo.train.startup import startup_summary
 from mogrpo.train.state import RunState, open_checkpoint
@@ -82,6 +82,18 @@ def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
     if config.algorithm.advantage_scaling == "batch":
         problems.append("algorithm.advantage_scaling: batch is not supported with several "
                         "processes yet (use group or none)")
+    try:
+        strategy = resolve_strategy(config.distributed, dist.world_size)
+    except ConfigError as err:
+        problems.append(str(err))
+        strategy = None
+    if strategy == "fsdp" and config.distributed.mixed_precision == "bf16":
+        # FSDP2 then hands back a bfloat16 gradient for a float32 shard in a full run's update
+        problems.append("distributed.mixed_precision: bf16 is not supported yet; set it to "
+                        "none (load the model in bfloat16 with model.dtype instead)")
+    if strategy == "fsdp" and config.model.load_in_4bit:
+        problems.append("distributed.strategy: fsdp cannot shard 4-bit weights "
+                        "(model.load_in_4bit); use distributed.strategy: ddp")
     if problems:
         raise ConfigError("invalid config for " + f"{dist.world_size} processes:\n  "
                           + "\n  ".join(problems))
@@ -121,12 +133,10 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
     return run_dir
 
 
-def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None) -> TrainContext:
-    """Load the model (from `base` instead, e.g. the SFT model on resume) and tokenizer, and
-    settle how to sample from them."""
-    device = resolve_device(config.device)
+def _load_policy(config: RunConfig, base: Path | None) -> tuple[torch.nn.Module, Any]:
+    """The policy (LoRA attached when enabled) and tokenizer, from `base` or the config's model."""
     mc, lc = config.model, config.lora
-    policy, tokenizer = load_policy(
+    return load_policy(
         str(base) if base else mc.name_or_path, dtype=mc.dtype, gradient_checkpointing=mc.gradient_checkpointing,
         attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code,
         lora=LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules) if lc.enabled else None,
@@ -134,6 +144,14 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
         tokenizer_name_or_path=None if base else mc.tokenizer,
         disable_dropout=mc.disable_dropout,
     )
+
+
+def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None) -> TrainContext:
+    """Load the model (from `base` instead, e.g. the SFT model on resume) and tokenizer, and
+    settle how to sample from them."""
+    device = resolve_device(config.device)
+    mc = config.model
+    policy, tokenizer = _load_policy(config, base)
     if not mc.load_in_4bit:
         policy.to(device)
     trainable, total = trainable_parameters(policy)
@@ -182,11 +200,12 @@ def run_training(config: RunConfig, resume: str | None = None,
             sft_done = True
         if config.eval.at_start:
             start_eval = quick_eval("start", 0)
-    dist.broadcast_parameters(ctx.policy)  # one starting point (before the reference copy)
+    # DDP / FSDP2 (several processes): every process starts from process 0's weights
+    parallel, reference = parallelize(ctx.policy, config.distributed, dist, ctx.device,
+                                      reference_needed=any(t.config.beta > 0 for t in ctx.tasks))
     if dist.world_size > 1 and loaded is None:  # each process samples its own completions
         torch.manual_seed(config.seed * 1_000_003 + dist.rank)
-    reference = make_reference(ctx.policy, needed=any(t.config.beta > 0 for t in ctx.tasks))
-    trainer = GRPOTrainer(ctx, reference)
+    trainer = GRPOTrainer(ctx, reference, parallel)
     trackers = Trackers(
         config, run_dir, state=loaded.state.get("trackers") if loaded else None,
         resume_step=loaded.state["step"] if loaded else None,
@@ -204,15 +223,21 @@ def run_training(config: RunConfig, resume: str | None = None,
         state.save(0)  # the model GRPO starts from: a rollback may have to go back to it
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as writer:
-            trainer.run(Tee(writer, trackers),
-                        lambda step, metrics: quick_eval(str(step), step, metrics), state.save,
-                        state.rollback)
+            trainer.run(Tee(writer, trackers), lambda step, metrics: _evaluate(
+                parallel, quick_eval, str(step), step, metrics), state.save, state.rollback)
     except HealthStop as stop:
         _stopped(stop, trainer, summary, run_dir, sft_done)
         raise
     finally:
         trackers.close()
     return _finish(state, save=dist.is_main)
+
+
+def _evaluate(parallel: ParallelPolicy, quick_eval: QuickEval, label: str, step: int,
+              metrics: dict[str, Any] | None = None) -> dict[str, float]:
+    """The greedy quick-eval, with the whole weights gathered under FSDP2."""
+    with parallel.gathered():
+        return quick_eval(label, step, metrics)
 
 
 def _finish(state: RunState, save: bool) -> dict[str, Any]:
@@ -222,7 +247,7 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
     only this: the eval log is rewritten from the checkpoint first, so `end` is written once."""
     ctx, trainer, quick_eval = state.ctx, state.trainer, state.quick_eval
     summary, run_dir = state.summary, state.run_dir
-    end = quick_eval("end", trainer.step, trainer.last_metrics)
+    end = _evaluate(trainer.parallel, quick_eval, "end", trainer.step, trainer.last_metrics)
     for alert in trainer.health.observe_eval(trainer.step, end, final=True):
         log.warning(alert.message)
     summary["health"] = [a.as_event() for a in trainer.health.alerts]
@@ -233,13 +258,28 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
     summary["pareto"] = quick_eval.pareto.to_json()
     summary["beta_changes"] = trainer.beta_changes
     summary["curriculum_changes"] = trainer.curriculum.changes
+    policy = ctx.policy
+    if trainer.parallel.is_fsdp:  # the shards, whole in an ordinary model on process 0
+        policy = _unsharded_policy(state, save)
     # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
-        ctx.policy, ctx.tokenizer, run_dir / "final", merged=ctx.config.output.save_merged,
+        policy, ctx.tokenizer, run_dir / "final", merged=ctx.config.output.save_merged,
         in_place=True).items()} if save else {}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     write_report(run_dir)  # report.md, and its charts where matplotlib is installed
     return summary
+
+
+def _unsharded_policy(state: RunState, main: bool) -> torch.nn.Module | None:
+    """FSDP2's trained weights gathered whole into a freshly loaded copy of the policy on
+    process 0 (its frozen weights are those it was loaded with); None in the others."""
+    weights, _ = full_state(state.trainer.parallel, None)
+    if not main:
+        return None
+    base = state.main_dir / "sft" / "merged" if state.sft_done else None
+    policy, _ = _load_policy(state.config, base if base and base.is_dir() else None)
+    load_weights(policy, weights)
+    return policy
 
 
 def _stopped(stop: HealthStop, trainer: GRPOTrainer, summary: dict[str, Any], run_dir: Path,

@@ -39,6 +39,7 @@ from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE
 from mogrpo.train.distributed import Dist, weights_checksum
 from mogrpo.train.grpo import GRPOTrainer
+from mogrpo.train.parallel import full_state, load_full_state
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +83,24 @@ class RunState:
         """Checkpoint `step`: make the trackers durable, write every part, prune old ones.
 
         Processes r > 0 hold the same weights and optimizer as process 0, so they save their
-        state and RNG only; a checksum of the weights proves they do."""
+        state and RNG only; a checksum of the weights proves they do. Under FSDP2 each holds a
+        shard: the whole weights and optimizer state are gathered to process 0 first."""
         self.trackers.barrier()
         state = self.state_dict()
-        state["weights_checksum"] = weights_checksum(self.ctx.policy)
+        main = self.dist.is_main
+        model, optimizer = self.ctx.policy, self.trainer.optimizer
+        if self.trainer.parallel.is_fsdp:
+            model, optimizer = full_state(self.trainer.parallel, optimizer)
+            checksum = sum(float(w.double().sum()) for w in model.values())
+            state["weights_checksum"] = self.dist.gather(checksum)[0]  # one copy: process 0's
+        else:
+            state["weights_checksum"] = weights_checksum(model)
         sums = self.dist.gather(state["weights_checksum"])
         if len(set(sums)) > 1:
             raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
                                   f"{sums}); not saving a checkpoint that would hide it")
-        main = self.dist.is_main
-        path = store.save_checkpoint(self.run_dir, step,
-                                     model=self.ctx.policy if main else None,
-                                     optimizer=self.trainer.optimizer if main else None,
+        path = store.save_checkpoint(self.run_dir, step, model=model if main else None,
+                                     optimizer=optimizer if main else None,
                                      state=state, config_yaml=to_yaml(self.config))
         pareto = self.quick_eval.pareto.to_json()
         protected = {p["step"] for p in pareto["front"]}
@@ -105,8 +112,7 @@ class RunState:
     def restore(self, loaded: Loaded) -> None:
         """Put a verified checkpoint back into every part; the RNGs last, as nothing may draw
         from them afterwards."""
-        store.load_weights(self.ctx.policy, loaded.weights)
-        self.trainer.optimizer.load_state_dict(loaded.optimizer)
+        self._load_weights(loaded.weights, loaded.optimizer)
         self.load_state_dict(loaded.state)
         store.restore_rng(loaded.rng, loaded.state["rng"])
 
@@ -119,9 +125,17 @@ class RunState:
             return None
         target = store.load_checkpoint(
             self.run_dir / name, shared_from=None if self.dist.is_main else self.main_dir / name)
-        store.load_weights(self.ctx.policy, target.weights)
-        self.trainer.optimizer.load_state_dict(target.optimizer)
+        self._load_weights(target.weights, target.optimizer)
         return target.path
+
+    def _load_weights(self, weights: dict[str, Any], optimizer: dict[str, Any]) -> None:
+        """Saved trainable weights and optimizer state into the policy (FSDP2: every process
+        reads the whole of both and keeps its shard)."""
+        if self.trainer.parallel.is_fsdp:
+            load_full_state(self.trainer.parallel, self.trainer.optimizer, weights, optimizer)
+            return
+        store.load_weights(self.ctx.policy, weights)
+        self.trainer.optimizer.load_state_dict(optimizer)
 
 
 def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
