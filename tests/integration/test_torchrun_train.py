@@ -7,6 +7,7 @@ are combined over both. Process 0 writes the run directory, process 1 keeps its 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,14 @@ def torchrun(config: Path, *args: str) -> subprocess.CompletedProcess:
 def lines(path: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(TIMING)}
             for x in path.read_text().splitlines() if '"event"' not in x]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The final model's parameters, loaded with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final" / "model")
+    return {k: v.detach() for k, v in model.named_parameters()}
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -143,17 +152,18 @@ def test_fsdp_run_is_one_run_and_matches_ddp(sharded):
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["tag"] for e in evals] == ["start", "end"]  # one process's evals, once each
     assert "finished: 3 of 3 steps" in (run / "report.md").read_text()
-    # the checkpoint holds the whole weights, gathered to process 0, as under DDP
-    got, want = weights(run / "checkpoints" / "step-0000003"), \
-        weights(sharded / "ddp" / "checkpoints" / "step-0000003")
+    # one checkpoint: each process wrote its shard and RNGs, one manifest covers them all
+    checkpoint = run / "checkpoints" / "step-0000003"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert (manifest["format"], manifest["world_size"], manifest["strategy"]) == ("dcp", 2, "fsdp")
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "rng/rank-00000.safetensors",
+            "rng/rank-00001.safetensors"} <= set(manifest["files"])
+    assert not (run / ".rank-1" / "checkpoints").exists()
+    # the final model is an ordinary Hugging Face folder holding DDP's step-3 weights
+    want = weights(sharded / "ddp" / "checkpoints" / "step-0000003")
+    got = final_weights(run)
     assert sorted(got) == sorted(want)
-    assert all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6) for k in got)
-    # the final model is an ordinary Hugging Face folder holding those weights
-    from transformers import AutoModelForCausalLM
-
-    final = AutoModelForCausalLM.from_pretrained(run / "final" / "model")
-    params = dict(final.named_parameters())
-    assert all(torch.equal(params[k], got[k]) for k in got)
+    assert all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6) for k in want)
     assert not (run / ".rank-1" / "final").exists()
 
 
@@ -163,9 +173,35 @@ def test_fsdp_resume_continues_exactly(sharded, tmp_path, tiny_model):
     torchrun(config)
     torchrun(config, "--resume", "auto", "--set", "train.max_steps=3")
     assert lines(tmp_path / "fsdp" / "metrics.jsonl") == lines(sharded / "fsdp" / "metrics.jsonl")
-    a = weights(tmp_path / "fsdp" / "checkpoints" / "step-0000003")
-    b = weights(sharded / "fsdp" / "checkpoints" / "step-0000003")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, b = final_weights(tmp_path / "fsdp"), final_weights(sharded / "fsdp")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # three torchrun runs (~60 s on 2 cores)
+def test_fsdp_sigkill_of_one_process_mid_step_then_restart_reaches_the_same_weights(
+        tmp_path, tiny_model):
+    def config(name: str) -> Path:
+        path = full_finetune(tmp_path, tiny_model, name, 3, "fsdp")
+        data = yaml.safe_load(path.read_text())
+        for task in data["tasks"].values():
+            task["rewards"].append({"fn": f"{USER_REWARDS}:kill_on_call", "weight": 0.0})
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    torchrun(config("whole"))
+    cut = config("cut")
+    # process 1 kills itself on its 3rd scoring (step 2 or 3: it scores one or both tasks a
+    # step), after that step's rollout; torchrun then stops process 0
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "mogrpo.cli", "train", str(cut)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "KILL_ON_REWARD_CALL": "3", "KILL_RANK": "1"})
+    assert done.returncode != 0
+    assert 1 <= len(lines(tmp_path / "cut" / "metrics.jsonl")) < 3
+    torchrun(cut, "--resume", "auto")
+    assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(tmp_path / "whole" / "metrics.jsonl")
+    a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_strategy_none_with_two_processes_is_refused(tmp_path, tiny_model):

@@ -21,12 +21,15 @@ _calls = 0
 
 def kill_on_call(prompts, completions, **columns):
     """Scores 0; on the call numbered by $KILL_ON_REWARD_CALL the process SIGKILLs itself —
-    a crash in the middle of a step, after its rollout was generated."""
+    a crash in the middle of a step, after its rollout was generated. With $KILL_RANK set,
+    only that process of a torchrun launch kills itself."""
     import os
     import signal
 
     global _calls
     _calls += 1
-    if os.environ.get("KILL_ON_REWARD_CALL") == str(_calls):
+    rank = os.environ.get("KILL_RANK")
+    if os.environ.get("KILL_ON_REWARD_CALL") == str(_calls) \
+            and (rank is None or rank == os.environ.get("RANK")):
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)

@@ -267,19 +267,3 @@ def full_state(parallel: ParallelPolicy, optimizer: torch.optim.Optimizer | None
     optim = get_optimizer_state_dict(parallel.policy, optimizer, options=options) \
         if optimizer is not None else {}
     return weights, optim
-
-
-def load_full_state(parallel: ParallelPolicy, optimizer: torch.optim.Optimizer | None,
-                    weights: dict[str, torch.Tensor], optim: dict[str, Any] | None) -> None:
-    """Put whole trainable weights (and an optimizer state saved by `full_state`) back into
-    the shards; every process passes the same full dicts."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(parallel.policy, weights, options=options)
-    if optimizer is not None and optim is not None:
-        set_optimizer_state_dict(parallel.policy, optimizer, optim, options=options)

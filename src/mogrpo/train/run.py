@@ -178,8 +178,9 @@ def run_training(config: RunConfig, resume: str | None = None,
     seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
     run_dir = prepare_run_dir(config, resuming=resume is not None)
-    loaded = open_checkpoint(run_dir, config, resume, allow_config_change, dist,
-                             main_dir) if resume else None
+    loaded = open_checkpoint(run_dir, config, resume, allow_config_change, dist, main_dir,
+                             resolve_strategy(config.distributed, dist.world_size)
+                             ) if resume else None
     sft_dir = main_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None
     ctx = build_context(config, tasks, base)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mogrpo.checkpoint import store
+from mogrpo.checkpoint import sharded, store
 from mogrpo.checkpoint.resume import check_drift, config_diff, config_hash
 from mogrpo.checkpoint.store import CheckpointError, Loaded
 from mogrpo.config import RunConfig, to_yaml
@@ -39,7 +39,6 @@ from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE
 from mogrpo.train.distributed import Dist, weights_checksum
 from mogrpo.train.grpo import GRPOTrainer
-from mogrpo.train.parallel import full_state, load_full_state
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,8 @@ class RunState:
         self.trainer.scheduler.load_state_dict(state["scheduler"])
         self.trainer.load_state_dict(state["trainer"])
         self.quick_eval.load_state_dict(state["quick_eval"])
-        self.summary.update(state.get("summary", {}))
+        # this process's own run directory stays (a sharded checkpoint holds process 0's state)
+        self.summary.update({k: v for k, v in state.get("summary", {}).items() if k != "run_dir"})
         self.sft_done = bool(state["sft_done"])
 
     def save(self, step: int) -> Path:
@@ -84,34 +84,41 @@ class RunState:
 
         Processes r > 0 hold the same weights and optimizer as process 0, so they save their
         state and RNG only; a checksum of the weights proves they do. Under FSDP2 each holds a
-        shard: the whole weights and optimizer state are gathered to process 0 first."""
+        shard: every process writes its shard and RNGs into one checkpoint of process 0's run
+        directory (`checkpoint.sharded`), which process 0 seals with one manifest."""
         self.trackers.barrier()
         state = self.state_dict()
         main = self.dist.is_main
-        model, optimizer = self.ctx.policy, self.trainer.optimizer
         if self.trainer.parallel.is_fsdp:
-            model, optimizer = full_state(self.trainer.parallel, optimizer)
-            checksum = sum(float(w.double().sum()) for w in model.values())
-            state["weights_checksum"] = self.dist.gather(checksum)[0]  # one copy: process 0's
+            path = sharded.save_sharded(self.main_dir, step, model=self.ctx.policy,
+                                        optimizer=self.trainer.optimizer, state=state,
+                                        config_yaml=to_yaml(self.config), strategy="fsdp")
         else:
+            model, optimizer = self.ctx.policy, self.trainer.optimizer
             state["weights_checksum"] = weights_checksum(model)
-        sums = self.dist.gather(state["weights_checksum"])
-        if len(set(sums)) > 1:
-            raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
-                                  f"{sums}); not saving a checkpoint that would hide it")
-        path = store.save_checkpoint(self.run_dir, step, model=model if main else None,
-                                     optimizer=optimizer if main else None,
-                                     state=state, config_yaml=to_yaml(self.config))
+            sums = self.dist.gather(state["weights_checksum"])
+            if len(set(sums)) > 1:
+                raise CheckpointError(f"step {step}: the processes' weights differ (checksums "
+                                      f"{sums}); not saving a checkpoint that would hide it")
+            path = store.save_checkpoint(self.run_dir, step, model=model if main else None,
+                                         optimizer=optimizer if main else None,
+                                         state=state, config_yaml=to_yaml(self.config))
         pareto = self.quick_eval.pareto.to_json()
         protected = {p["step"] for p in pareto["front"]}
         protected |= {p["step"] for p in pareto["best"].values()}
-        store.prune(self.run_dir, self.config.output.keep_last, protected)
+        if main or not self.trainer.parallel.is_fsdp:  # one sharded checkpoint: process 0's
+            store.prune(self.run_dir, self.config.output.keep_last, protected)
         log.info("checkpoint saved: %s", path)
         return path
 
-    def restore(self, loaded: Loaded) -> None:
+    def restore(self, loaded: Loaded | sharded.ShardedLoaded) -> None:
         """Put a verified checkpoint back into every part; the RNGs last, as nothing may draw
         from them afterwards."""
+        if isinstance(loaded, sharded.ShardedLoaded):
+            loaded.load_into(self.ctx.policy, self.trainer.optimizer)  # re-shards if need be
+            self.load_state_dict(loaded.state)
+            loaded.restore_rng()
+            return
         self._load_weights(loaded.weights, loaded.optimizer)
         self.load_state_dict(loaded.state)
         store.restore_rng(loaded.rng, loaded.state["rng"])
@@ -121,6 +128,12 @@ class RunState:
         """Load the weights and optimizer of step `step`'s checkpoint (a health rollback; the
         trainer resets the rest itself); None if that checkpoint is not there intact."""
         name = f"{store.CHECKPOINTS}/step-{step:07d}"
+        if self.trainer.parallel.is_fsdp:
+            path = self.main_dir / name
+            if not all(self.dist.gather(store.verify(path).ok)):
+                return None
+            sharded.load_sharded(path, model=self.ctx.policy, optimizer=self.trainer.optimizer)
+            return path
         if not store.verify(self.run_dir / name).ok:
             return None
         target = store.load_checkpoint(
@@ -129,19 +142,20 @@ class RunState:
         return target.path
 
     def _load_weights(self, weights: dict[str, Any], optimizer: dict[str, Any]) -> None:
-        """Saved trainable weights and optimizer state into the policy (FSDP2: every process
-        reads the whole of both and keeps its shard)."""
-        if self.trainer.parallel.is_fsdp:
-            load_full_state(self.trainer.parallel, self.trainer.optimizer, weights, optimizer)
-            return
+        """Saved trainable weights and optimizer state into the (unsharded) policy."""
         store.load_weights(self.ctx.policy, weights)
         self.trainer.optimizer.load_state_dict(optimizer)
 
 
 def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_change: bool,
-                    dist: Dist, main_dir: Path) -> Loaded:
-    """Pick and verify the checkpoint, check config drift, and make the logs agree with it."""
-    if dist.world_size == 1:
+                    dist: Dist, main_dir: Path, strategy: str = "none"
+                    ) -> Loaded | sharded.ShardedLoaded:
+    """Pick and verify the checkpoint, check config drift, and make the logs agree with it.
+    Under FSDP2 (`strategy`) the checkpoint is a sharded one in process 0's run directory;
+    its tensors are read once the model is wrapped (`RunState.restore`)."""
+    if strategy == "fsdp":
+        loaded = sharded.open_sharded(sharded.pick_resume(main_dir, resume))
+    elif dist.world_size == 1:
         loaded = store.load_checkpoint(store.find_resume(run_dir, resume))
     else:
         loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
