@@ -364,7 +364,7 @@ def distinct_chars(prompts: list[str], completions: list[str], **columns) -> lis
     return [float(len(set(c))) for c in completions]
 
 
-def _tiny_trainer(tmp_path, tiny_model_dir):
+def _tiny_trainer(tmp_path, tiny_model_dir, **algorithm):
     from mogrpo.config import load_config
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
@@ -384,6 +384,7 @@ def _tiny_trainer(tmp_path, tiny_model_dir):
     base["rollout"].update(num_generations=4, max_completion_length=4)
     base["train"].update(micro_batch_size=4, gradient_accumulation_steps=1, learning_rate=1e-2,
                          warmup_steps=0)
+    base.setdefault("algorithm", {}).update(algorithm)
     config, _ = load_config(None, [], base=base)
     seed_everything(0)
     ctx = build_context(config, load_tasks(config))
@@ -412,6 +413,13 @@ def test_not_learning_on_a_tiny_run_whose_optimizer_never_steps(tmp_path, tiny_m
         assert list(fired) == [3] and monitor.should_stop
         assert "not_learning at step 3: KL 0.0 and update norm 0.0" in fired[3][0].message
         assert metrics["policy/update_norm"] == 0.0
+
+
+def test_update_norm_is_measured_with_several_passes_per_step(tmp_path, tiny_model_dir):
+    # μ = 2: the norm of the first pass's update, not overwritten by the second pass
+    _, trainer = _tiny_trainer(tmp_path, tiny_model_dir, num_iterations=2)
+    metrics = trainer.train_step()
+    assert math.isfinite(metrics["policy/update_norm"]) and metrics["policy/update_norm"] > 0
 
 
 def test_summary_says_when_checks_were_off():

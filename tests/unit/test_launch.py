@@ -12,6 +12,7 @@ import yaml
 from mogrpo.cli import main
 from mogrpo.cli.app import build_parser
 from mogrpo.cli.launch import torchrun_command
+from mogrpo.errors import ConfigError
 
 CONFIG = {
     "model": {"name_or_path": "some/model"},
@@ -87,7 +88,7 @@ def test_two_processes_launch_torchrun_and_return_its_status(torchrun, config):
     (["--nproc", "0"], "--nproc 0: the number of processes must be at least 1"),
     (["--nproc", "3"], "2 prompts per step do not split over 3 processes"),
     (["--nproc", "2", "--set", "distributed.strategy=none"],
-     "distributed.strategy: none trains in one process, but --nproc is 2"),
+     "distributed.strategy: none trains in one process, but 2 processes were asked for"),
     (["--nproc", "2", "--set", "rollout.temprature=0.9"],
      "did you mean `rollout.temperature`?"),
 ], ids=["zero", "not-a-divisor", "strategy-none", "config-typo"])
@@ -115,3 +116,21 @@ def test_one_process_trains_here(torchrun, config, monkeypatch):
     assert main(["train", str(config), "--nproc", "1"]) == 0
     assert seen == [(4, {"resume": None, "allow_config_change": False})]
     assert torchrun.commands == []
+
+
+def test_every_setting_several_processes_cannot_run_is_listed_at_once():
+    from mogrpo.config import RunConfig
+    from mogrpo.config.processes import check_processes
+
+    config = RunConfig.model_validate({
+        "model": {"name_or_path": "m"}, "tasks": {"t": {"data": "d.jsonl", "rewards": [{"fn": "format"}]}},
+        "algorithm": {"dynamic_sampling": True, "advantage_scaling": "batch"},
+        "distributed": {"strategy": "fsdp", "mixed_precision": "bf16"}})
+    with pytest.raises(ConfigError) as err:
+        check_processes(config, 2)
+    text = str(err.value)
+    assert text.startswith("invalid config for 2 processes:")
+    for part in ("algorithm.dynamic_sampling", "advantage_scaling: batch",
+                 "mixed_precision: bf16 is not supported yet"):
+        assert part in text
+    assert check_processes(config, 1) == "none"  # one process: nothing to refuse

@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from mogrpo.config import RunConfig
+from mogrpo.config.processes import check_processes
 from mogrpo.errors import ConfigError
-from mogrpo.memory import GIB, estimate, ladder, main, resolve_strategy, scale_out
+from mogrpo.memory import GIB, estimate, ladder, main, scale_out
 from mogrpo.modeling.architecture import Architecture
 
 # Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, SwiGLU 8192,
@@ -143,16 +144,16 @@ def test_vllm_rollout_gathers_nothing():
 
 def test_process_counts_the_trainer_would_refuse():
     with pytest.raises(ConfigError, match="8 prompts per step do not split over 3 processes"):
-        resolve_strategy(run_1b(), 3)
-    with pytest.raises(ConfigError, match="strategy: none trains in one process, but --nproc "
-                       "is 2; set distributed.strategy to ddp, fsdp or auto"):
-        resolve_strategy(run_1b(distributed={"strategy": "none"}), 2)
+        check_processes(run_1b(), 3)
+    with pytest.raises(ConfigError, match="strategy: none trains in one process, but 2 processes "
+                       "were asked for"):
+        check_processes(run_1b(distributed={"strategy": "none"}), 2)
     with pytest.raises(ConfigError, match="--nproc 0"):
-        resolve_strategy(run_1b(), 0)
-    assert [resolve_strategy(run_1b(), n) for n in (1, 2)] == ["none", "ddp"]
+        check_processes(run_1b(), 0)
+    assert [check_processes(run_1b(), n) for n in (1, 2)] == ["none", "ddp"]
     # one process is never wrapped, whatever the config says
     fsdp = run_1b(distributed={"strategy": "fsdp"})
-    assert resolve_strategy(fsdp, 1) == "none"
+    assert check_processes(fsdp, 1) == "none"
     assert estimate(LLAMA_1B, fsdp).total == estimate(LLAMA_1B, run_1b()).total
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from mogrpo.cli.args import add_config, add_overrides
 from mogrpo.cli.launch import check_nproc, launch
-from mogrpo.memory.estimate import resolve_strategy
+from mogrpo.config.processes import check_processes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -53,7 +53,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         task.strict = True
     setup_logging(config.logging.level)
     if (args.nproc or 1) > 1:
-        resolve_strategy(config, args.nproc)  # a count the run cannot split: before launching
+        check_processes(config, args.nproc)  # what the processes would refuse: before launching
         return launch(args, args.nproc)
     from mogrpo.train.run import run_training
 

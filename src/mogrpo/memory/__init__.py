@@ -10,7 +10,6 @@ from mogrpo.memory.estimate import (
     MemoryEstimate,
     Term,
     estimate,
-    resolve_strategy,
     reward_model_configs,
 )
 from mogrpo.memory.ladder import Step, ladder, scale_out
@@ -19,5 +18,5 @@ from mogrpo.memory.measure import peak_bytes, reset_peak
 __all__ = [
     "GIB", "MemoryEstimate", "Step", "Term", "add_parser", "cmd_memory",
     "estimate", "ladder", "load_model_config", "main", "parse_size", "peak_bytes", "reset_peak",
-    "resolve_strategy", "reward_model_configs", "scale_out",
+    "reward_model_configs", "scale_out",
 ]

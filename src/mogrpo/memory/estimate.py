@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
 
 if TYPE_CHECKING:  # the module tree is built with torch: imported when an estimate is made
@@ -112,26 +113,6 @@ class MemoryEstimate:
                      f"{self.phase('always') / GIB:.2f} + {peak} {self.phase(peak) / GIB:.2f}")
         lines += [f"assumes: {a}" for a in self.assumptions]
         return "\n".join(lines)
-
-
-def resolve_strategy(run: RunConfig, nproc: int) -> str:
-    """`none`, `ddp` or `fsdp`: `distributed.strategy` for `nproc` processes (`auto` = `ddp`;
-    one process is never wrapped). Refuses what the trainer would refuse at start-up."""
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1")
-    if nproc == 1:
-        return "none"
-    strategy = run.distributed.strategy
-    if strategy == "auto":
-        strategy = "ddp"
-    if strategy == "none":
-        raise ConfigError(f"distributed.strategy: none trains in one process, but --nproc is "
-                          f"{nproc}; set distributed.strategy to ddp, fsdp or auto")
-    if run.prompts_per_step % nproc:
-        raise ConfigError(f"{run.prompts_per_step} prompts per step do not split over {nproc} "
-                          "processes; make train.micro_batch_size × gradient_accumulation_steps "
-                          "/ rollout.num_generations a multiple of it")
-    return strategy
 
 
 @dataclass(frozen=True)
@@ -242,7 +223,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
                           "frozen); set lora.enabled: true")
     w = dtype_bytes or {"float32": 4, "bfloat16": 2, "float16": 2}.get(
         mc.dtype, 4 if device == "cpu" else 2)
-    strategy = resolve_strategy(run, nproc)
+    strategy = strategy_for(run.distributed, nproc)
+    if nproc > 1 and run.prompts_per_step % nproc:
+        check_processes(run, nproc)  # the split the trainer would refuse, with its message
     # what the forward computes with: FSDP2's bf16 mixed precision gathers bf16 parameters
     c = 2 if strategy == "fsdp" and run.distributed.mixed_precision == "bf16" else w
     # prepare_model_for_kbit_training casts every non-4-bit weight to fp32, so the residual

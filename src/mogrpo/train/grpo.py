@@ -340,7 +340,7 @@ class GRPOTrainer:
                     diffs = [torch.linalg.vector_norm(p.detach() - b)
                              for p, b in zip(params, before, strict=True)]
                     totals["update_norm"] = float(self.parallel.global_norm(diffs))
-                else:
+                elif it == 0:  # too large to copy: not measured (μ > 1 keeps the first pass's)
                     totals["update_norm"] = float("nan")
             else:  # a non-finite gradient would poison AdamW's moments; skip and count it
                 self.skipped_updates += 1

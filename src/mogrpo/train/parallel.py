@@ -28,26 +28,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from mogrpo.config.processes import strategy_for
 from mogrpo.config.sections import DistributedConfig
-from mogrpo.errors import ConfigError, ModelError
+from mogrpo.errors import ModelError
 from mogrpo.modeling.reference import Reference, make_reference
 from mogrpo.rollout.native import unwrap_causal_lm
 from mogrpo.train.distributed import Dist
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def resolve_strategy(config: DistributedConfig, world_size: int) -> str:
-    """`none`, `ddp` or `fsdp` for this many processes (one process is never wrapped)."""
-    if world_size == 1:
-        return "none"
-    if config.strategy == "none":
-        raise ConfigError(
-            f"distributed.strategy: none trains in one process, but {world_size} processes "
-            "were started (torchrun / --nproc); set distributed.strategy: ddp, fsdp or auto, "
-            "or start one process")
-    return "ddp" if config.strategy == "auto" else config.strategy
 
 
 @dataclass
@@ -179,7 +168,7 @@ def parallelize(policy: nn.Module, config: DistributedConfig, dist: Dist,
     Every process ends with process 0's weights: DDP broadcasts them when it wraps; FSDP2
     loads process 0's full state into the shards (`broadcast_from_rank0`). The reference is
     copied from those weights; under FSDP2 a frozen copy is sharded too (no optimizer)."""
-    strategy = resolve_strategy(config, dist.world_size)
+    strategy = strategy_for(config, dist.world_size)
     if strategy == "none":
         return ParallelPolicy(policy), make_reference(policy, needed=reference_needed)
     if strategy == "ddp":

@@ -14,6 +14,7 @@ import torch
 
 from mogrpo.checkpoint.store import CHECKPOINTS, load_weights, verify
 from mogrpo.config import RunConfig, to_yaml
+from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.eval.quick_eval import QuickEval
 from mogrpo.eval.report import write_report
@@ -35,7 +36,7 @@ from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
-from mogrpo.train.parallel import ParallelPolicy, full_state, parallelize, resolve_strategy
+from mogrpo.train.parallel import ParallelPolicy, full_state, parallelize
 from mogrpo.train.sft import run_sft
 from mogrpo.train.startup import startup_summary
 from mogrpo.train.state import RunState, open_checkpoint
@@ -69,34 +70,7 @@ def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
     main_dir = Path(config.output.dir)
     if dist.world_size == 1:
         return config, dist, main_dir
-    problems = []
-    if config.prompts_per_step % dist.world_size:
-        problems.append(f"{config.prompts_per_step} prompts per step do not split over "
-                        f"{dist.world_size} processes; make train.micro_batch_size × "
-                        "gradient_accumulation_steps / rollout.num_generations a multiple of it")
-    if config.algorithm.dynamic_sampling:
-        problems.append("algorithm.dynamic_sampling is not supported with several processes yet")
-    if config.rollout.engine == "vllm":
-        problems.append("rollout.engine: vllm (one colocated engine) is not supported with "
-                        "several processes yet; run one process or use rollout.engine: auto")
-    if config.algorithm.advantage_scaling == "batch":
-        problems.append("algorithm.advantage_scaling: batch is not supported with several "
-                        "processes yet (use group or none)")
-    try:
-        strategy = resolve_strategy(config.distributed, dist.world_size)
-    except ConfigError as err:
-        problems.append(str(err))
-        strategy = None
-    if strategy == "fsdp" and config.distributed.mixed_precision == "bf16":
-        # FSDP2 then hands back a bfloat16 gradient for a float32 shard in a full run's update
-        problems.append("distributed.mixed_precision: bf16 is not supported yet; set it to "
-                        "none (load the model in bfloat16 with model.dtype instead)")
-    if strategy == "fsdp" and config.model.load_in_4bit:
-        problems.append("distributed.strategy: fsdp cannot shard 4-bit weights "
-                        "(model.load_in_4bit); use distributed.strategy: ddp")
-    if problems:
-        raise ConfigError("invalid config for " + f"{dist.world_size} processes:\n  "
-                          + "\n  ".join(problems))
+    check_processes(config, dist.world_size)
     if not dist.is_main:
         logging.getLogger("mogrpo").setLevel(logging.ERROR)
         data = config.model_dump()
@@ -179,7 +153,7 @@ def run_training(config: RunConfig, resume: str | None = None,
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
     run_dir = prepare_run_dir(config, resuming=resume is not None)
     loaded = open_checkpoint(run_dir, config, resume, allow_config_change, dist, main_dir,
-                             resolve_strategy(config.distributed, dist.world_size)
+                             strategy_for(config.distributed, dist.world_size)
                              ) if resume else None
     sft_dir = main_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None

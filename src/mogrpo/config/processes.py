@@ -1,0 +1,63 @@
+"""What a run needs to train on several processes: the strategy, and every setting that cannot
+run on that many, checked before anything starts (`mogrpo train --nproc`, `mogrpo memory
+--nproc`) and again when the processes join (torchrun). Torch-free, so a config error comes in
+a second."""
+
+from __future__ import annotations
+
+from mogrpo.config.sections import DistributedConfig, RunConfig
+from mogrpo.errors import ConfigError
+
+
+def strategy_for(config: DistributedConfig, nproc: int) -> str:
+    """`none`, `ddp` or `fsdp` for `nproc` processes: one process is never wrapped, `auto` is
+    `ddp`; `none` with several processes is a ConfigError."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: the number of processes must be at least 1")
+    if nproc == 1:
+        return "none"
+    if config.strategy == "none":
+        raise ConfigError(
+            f"distributed.strategy: none trains in one process, but {nproc} processes were "
+            "asked for (--nproc or torchrun); set distributed.strategy to ddp, fsdp or auto, "
+            "or run one process")
+    return "ddp" if config.strategy == "auto" else config.strategy
+
+
+def check_processes(config: RunConfig, nproc: int) -> str:
+    """The strategy for `nproc` processes, or one ConfigError listing every setting of
+    `config` that cannot run on that many."""
+    if nproc < 1:
+        strategy_for(config.distributed, nproc)  # raises
+    if nproc == 1:
+        return "none"
+    problems = []
+    if config.prompts_per_step % nproc:
+        problems.append(f"{config.prompts_per_step} prompts per step do not split over {nproc} "
+                        "processes; make train.micro_batch_size × gradient_accumulation_steps / "
+                        "rollout.num_generations a multiple of it")
+    if config.algorithm.dynamic_sampling:
+        problems.append("algorithm.dynamic_sampling is not supported with several processes yet")
+    if config.rollout.engine == "vllm":
+        problems.append("rollout.engine: vllm (one colocated engine) is not supported with "
+                        "several processes yet; run one process or use rollout.engine: auto")
+    if config.algorithm.advantage_scaling == "batch":
+        problems.append("algorithm.advantage_scaling: batch is not supported with several "
+                        "processes yet (use group or none)")
+    try:
+        strategy = strategy_for(config.distributed, nproc)
+    except ConfigError as err:
+        problems.append(str(err))
+        strategy = None
+    if strategy == "fsdp" and config.distributed.mixed_precision == "bf16":
+        # FSDP2 then hands back a bfloat16 gradient for a float32 shard in a full run's update
+        problems.append("distributed.mixed_precision: bf16 is not supported yet; set it to "
+                        "none (load the model in bfloat16 with model.dtype instead)")
+    if strategy == "fsdp" and config.model.load_in_4bit:
+        problems.append("distributed.strategy: fsdp cannot shard 4-bit weights "
+                        "(model.load_in_4bit); use distributed.strategy: ddp")
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"invalid config for {nproc} processes:\n  " + "\n  ".join(problems))
+    return strategy
