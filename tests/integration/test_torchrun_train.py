@@ -7,6 +7,7 @@ are combined over both. Process 0 writes the run directory, process 1 keeps its 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -59,9 +60,13 @@ def lines(path: Path) -> list[dict]:
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
     """The final model's parameters, loaded with plain transformers."""
+    return final_weights_of(run / "final" / "model")
+
+
+def final_weights_of(model_dir: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(run / "final" / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
@@ -202,6 +207,24 @@ def test_fsdp_sigkill_of_one_process_mid_step_then_restart_reaches_the_same_weig
     assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(tmp_path / "whole" / "metrics.jsonl")
     a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_bf16_mixed_precision_trains_float32_shards(sharded, tmp_path, tiny_model):
+    config = full_finetune(tmp_path, tiny_model, "bf16", 3, "fsdp")
+    data = yaml.safe_load(config.read_text())
+    data["distributed"]["mixed_precision"] = "bf16"
+    config.write_text(yaml.safe_dump(data))
+    torchrun(config)
+    got, fp32 = lines(tmp_path / "bf16" / "metrics.jsonl"), lines(sharded / "fsdp" / "metrics.jsonl")
+    assert [m["step"] for m in got] == [1, 2, 3]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["policy/grad_norm"]) for m in got)
+    # bf16 matmuls: near the float32 run's numbers, not equal to them
+    assert got[0]["policy/grad_norm"] == pytest.approx(fp32[0]["policy/grad_norm"], rel=0.05)
+    assert got[0]["policy/grad_norm"] != fp32[0]["policy/grad_norm"]
+    final = final_weights(tmp_path / "bf16")  # the shards and the saved model stay float32
+    assert {w.dtype for w in final.values()} == {torch.float32}
+    start = final_weights_of(tiny_model)
+    assert any(not torch.equal(final[k], start[k]) for k in start)  # it trained
 
 
 def test_strategy_none_with_two_processes_is_refused(tmp_path, tiny_model):

@@ -122,8 +122,15 @@ def _shard(run: RunConfig, nproc: int) -> Rung:
     options: list[dict[str, Any]] = []
     if nproc > 1 and run.distributed.strategy != "fsdp":
         options.append({"distributed.strategy": "fsdp"})
-    # bf16 mixed precision is not offered: the trainer refuses it for now (config.processes)
-    return ("shard with FSDP2", options, f"none in quality; {FSDP_COST}")
+    # (the trainer refuses bf16 mixed precision with LoRA for now: config.processes)
+    mixed = run.model.dtype == "float32" and run.distributed.mixed_precision == "none" \
+        and not run.lora.enabled
+    if nproc > 1 and mixed:
+        # fp32 shards, bf16 compute: halves what is gathered and the activations
+        options.append({"distributed.strategy": "fsdp", "distributed.mixed_precision": "bf16"})
+    return ("shard with FSDP2", options, "none in quality" + (
+        " (mixed_precision bf16: bf16 matmuls, gradients reduced in fp32)" if mixed else "")
+        + f"; {FSDP_COST}")
 
 
 RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
