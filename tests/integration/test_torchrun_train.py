@@ -183,24 +183,24 @@ def test_fsdp_resume_continues_exactly(sharded, tmp_path, tiny_model):
 
 
 @pytest.mark.slow  # three torchrun runs (~60 s on 2 cores)
-def test_fsdp_sigkill_of_one_process_mid_step_then_restart_reaches_the_same_weights(
+def test_fsdp_sigkill_of_one_process_mid_update_then_restart_reaches_the_same_weights(
         tmp_path, tiny_model):
     def config(name: str) -> Path:
         path = full_finetune(tmp_path, tiny_model, name, 3, "fsdp")
         data = yaml.safe_load(path.read_text())
         for task in data["tasks"].values():
-            task["rewards"].append({"fn": f"{USER_REWARDS}:kill_on_call", "weight": 0.0})
+            task["rewards"].append({"fn": f"{USER_REWARDS}:kill_in_update", "weight": 0.0})
         path.write_text(yaml.safe_dump(data))
         return path
 
     torchrun(config("whole"))
     cut = config("cut")
-    # process 1 kills itself on its 3rd scoring (step 2 or 3: it scores one or both tasks a
-    # step), after that step's rollout; torchrun then stops process 0
+    # process 1 kills itself in the first forward of the update after its 3rd scoring (step 2
+    # or 3: it scores one or both tasks a step); torchrun then stops process 0
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "mogrpo.cli", "train", str(cut)], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "KILL_ON_REWARD_CALL": "3", "KILL_RANK": "1"})
+        env={**os.environ, "KILL_IN_UPDATE_CALL": "3", "KILL_RANK": "1"})
     assert done.returncode != 0
     assert 1 <= len(lines(tmp_path / "cut" / "metrics.jsonl")) < 3
     torchrun(cut, "--resume", "auto")

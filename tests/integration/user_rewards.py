@@ -33,3 +33,24 @@ def kill_on_call(prompts, completions, **columns):
             and (rank is None or rank == os.environ.get("RANK")):
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)
+
+
+def kill_in_update(prompts, completions, **columns):
+    """Scores 0; on the call numbered by $KILL_IN_UPDATE_CALL (in the process of rank
+    $KILL_RANK, if set) it arms a hook that SIGKILLs the process at the next forward of any
+    module — the update's first forward after this step's rewards: a crash mid-update."""
+    import os
+    import signal
+
+    import torch
+
+    global _calls
+    _calls += 1
+    rank = os.environ.get("KILL_RANK")
+    if os.environ.get("KILL_IN_UPDATE_CALL") == str(_calls) \
+            and (rank is None or rank == os.environ.get("RANK")):
+        def kill(module, args, output):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.nn.modules.module.register_module_forward_hook(kill)
+    return [0.0] * len(completions)
