@@ -28,7 +28,7 @@ from mogrpo.tasks.task import load_tasks
 from mogrpo.tracking import names
 from mogrpo.train.distributed import Dist
 from mogrpo.train.grpo import GRPOTrainer, ScoredBatch
-from mogrpo.train.parallel import full_state, parallelize
+from mogrpo.train.parallel import full_weights, parallelize
 from mogrpo.train.run import build_context, seed_everything
 
 K, PROMPTS, STEPS = 2, 3, 3
@@ -121,7 +121,7 @@ def run_case(strategy: str, aggregation: str, mu: int, lora: bool, model: Path, 
                   micro_batches=dist.gather(micro))
     params = [p for p in ctx.policy.parameters() if p.requires_grad]
     if parallel.is_fsdp:
-        weights, _ = full_state(parallel, None)
+        weights = full_weights(parallel)
         state = [t for s in trainer.optimizer.state.values() for t in s.values()
                  if torch.is_tensor(t) and t.dim() > 0]
         result["local"] = {"params": parallel.local_numel(params),

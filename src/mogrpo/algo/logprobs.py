@@ -74,26 +74,26 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.cat(out)  # [B, T]
 
 
-def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    """Whether the underlying HF causal LM's forward takes ``logits_to_keep``.
-
-    Wrappers (DDP ``.module``, torch.compile ``._orig_mod``, PEFT ``get_base_model()``)
-    forward keyword arguments untouched, so the wrapped model decides.
-    """
+def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
+    """`model`, then each module it wraps (PEFT ``get_base_model()``, torch.compile
+    ``._orig_mod``, DDP ``.module``), down to the Hugging Face causal LM inside."""
     seen: set[int] = set()
     while id(model) not in seen:
         seen.add(id(model))
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            return True
+        yield model
         if hasattr(model, "get_base_model"):
             model = model.get_base_model()
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
-        else:
-            return False
-    return False
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the underlying HF causal LM's forward takes ``logits_to_keep``: wrappers forward
+    keyword arguments untouched, so the first module in the chain that declares it decides."""
+    return any("logits_to_keep" in inspect.signature(m.forward).parameters
+               for m in wrapper_chain(model))
 
 
 def completion_logprobs(

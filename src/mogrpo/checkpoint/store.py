@@ -149,8 +149,8 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    model: torch.nn.Module | dict[str, torch.Tensor] | None,
-    optimizer: torch.optim.Optimizer | dict[str, Any] | None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     config_yaml: str,
 ) -> Path:
@@ -158,9 +158,8 @@ def save_checkpoint(
 
     Without `model` and `optimizer` (processes r > 0 of a multi-process run, whose weights and
     optimizer equal process 0's) the checkpoint holds only this process's state and RNG; its
-    manifest lists the two files as `shared`: they are read from process 0's step-N. Both may
-    be given as what they save (trainable weights by name, an optimizer state dict): FSDP2
-    gathers them whole first."""
+    manifest lists the two files as `shared`: they are read from process 0's step-N. (FSDP2's
+    sharded state has its own format: `checkpoint.sharded`.)"""
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
@@ -168,12 +167,11 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     shared = []
     if model is not None:
-        save_file(model if isinstance(model, dict) else trainable_weights(model), tmp / WEIGHTS)
+        save_file(trainable_weights(model), tmp / WEIGHTS)
     else:
         shared.append(WEIGHTS)
     if optimizer is not None:
-        torch.save(optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
-                   tmp / OPTIMIZER)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
     else:
         shared.append(OPTIMIZER)
     tensors, rng_json = rng_state()

@@ -61,6 +61,24 @@ def _configs(model: nn.Module) -> dict[str, Any]:
     return found
 
 
+def _rates(model: nn.Module) -> Iterator[tuple[Any, str, str, float, str | None]]:
+    """Every non-zero dropout rate of `model` outside LoRA: (owner, attribute, name in the
+    report, rate, path in the config for a config field, else None)."""
+    for name, module in model.named_modules():
+        if _is_lora(name):
+            continue
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+            yield module, "p", f"{name}.p", module.p, None
+        for attr, value in list(vars(module).items()):
+            if _DROPOUT_NAME.fullmatch(attr) and _rate(value):
+                yield module, attr, f"{name}.{attr}".lstrip("."), float(value), None
+    for prefix, config in _configs(_base(model)).items():
+        for key, value in list(vars(config).items()):
+            if _DROPOUT_NAME.fullmatch(key) and _rate(value):
+                path = f"{prefix}.{key}".lstrip(".")
+                yield config, key, f"config.{path}", float(value), path
+
+
 def disable_dropout(model: nn.Module) -> dict[str, float]:
     """Set every dropout rate of `model` to 0 except LoRA's; returns {what: rate it had}.
 
@@ -68,26 +86,14 @@ def disable_dropout(model: nn.Module) -> dict[str, float]:
     resid dropout), float rates kept on modules (OPT's `dropout`, Llama's `attention_dropout`,
     handed to SDPA) and config fields read during the forward (Falcon's `hidden_dropout`).
     """
-    changed: dict[str, float] = {}
-    for name, module in model.named_modules():
-        if _is_lora(name):
-            continue
-        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
-            changed[f"{name}.p"] = module.p
-            module.p = 0.0
-        for attr, value in list(vars(module).items()):
-            if _DROPOUT_NAME.fullmatch(attr) and _rate(value):
-                changed[f"{name}.{attr}".lstrip(".")] = float(value)
-                setattr(module, attr, 0.0)
     base = _base(model)
     original: dict[str, float] = getattr(base, _ORIGINAL, {})
-    for prefix, config in _configs(base).items():
-        for key, value in list(vars(config).items()):
-            if _DROPOUT_NAME.fullmatch(key) and _rate(value):
-                path = f"{prefix}.{key}".lstrip(".")
-                original.setdefault(path, float(value))
-                changed[f"config.{path}"] = float(value)
-                setattr(config, key, 0.0)
+    changed: dict[str, float] = {}
+    for owner, attr, name, rate, path in list(_rates(model)):
+        changed[name] = rate
+        if path is not None:
+            original.setdefault(path, rate)
+        setattr(owner, attr, 0.0)
     if original:
         setattr(base, _ORIGINAL, original)
     return changed
@@ -95,18 +101,7 @@ def disable_dropout(model: nn.Module) -> dict[str, float]:
 
 def active_dropout(model: nn.Module) -> dict[str, float]:
     """Every non-zero dropout rate left in `model` outside LoRA (empty after `disable_dropout`)."""
-    found: dict[str, float] = {}
-    for name, module in model.named_modules():
-        if _is_lora(name):
-            continue
-        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
-            found[f"{name}.p"] = module.p
-        found |= {f"{name}.{k}".lstrip("."): float(v) for k, v in vars(module).items()
-                  if _DROPOUT_NAME.fullmatch(k) and _rate(v)}
-    for prefix, config in _configs(_base(model)).items():
-        found |= {f"config.{prefix}.{k}".replace("..", "."): float(v)
-                  for k, v in vars(config).items() if _DROPOUT_NAME.fullmatch(k) and _rate(v)}
-    return found
+    return {name: rate for _, _, name, rate, _ in _rates(model)}
 
 
 @contextmanager

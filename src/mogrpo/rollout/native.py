@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import linear, pack
+from mogrpo.algo.logprobs import wrapper_chain
 from mogrpo.rollout.sampling import SamplingRules
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
@@ -43,16 +44,8 @@ PLAIN_MAX_BYTES = 256 * 2**20
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The Hugging Face causal LM inside peft / DDP / torch.compile wrappers."""
-    seen: set[int] = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-    return model
+    *_, lm = wrapper_chain(model)
+    return lm
 
 
 def unsupported_reason(model: nn.Module, total_length: int) -> str | None:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -239,20 +239,12 @@ def shard(model: nn.Module, config: DistributedConfig, dist: Dist,
     return sharded
 
 
-def full_state(parallel: ParallelPolicy, optimizer: torch.optim.Optimizer | None
-               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Process 0: the trainable weights and the optimizer's state (when given), whole, on the
-    CPU. Every process must call it (it all-gathers); the others get empty dicts."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+def full_weights(parallel: ParallelPolicy) -> dict[str, torch.Tensor]:
+    """Process 0: the trainable weights, whole, on the CPU. Every process must call it (it
+    all-gathers); the others get an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     trainable = {n for n, p in parallel.policy.named_parameters() if p.requires_grad}
     weights = get_model_state_dict(parallel.policy, options=options)
-    weights = {n: t.contiguous() for n, t in weights.items() if n in trainable}
-    optim = get_optimizer_state_dict(parallel.policy, optimizer, options=options) \
-        if optimizer is not None else {}
-    return weights, optim
+    return {n: t.contiguous() for n, t in weights.items() if n in trainable}

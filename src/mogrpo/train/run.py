@@ -36,7 +36,7 @@ from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, init_distributed
 from mogrpo.train.grpo import GRPOTrainer
-from mogrpo.train.parallel import ParallelPolicy, full_state, parallelize
+from mogrpo.train.parallel import ParallelPolicy, full_weights, parallelize
 from mogrpo.train.sft import run_sft
 from mogrpo.train.startup import startup_summary
 from mogrpo.train.state import RunState, open_checkpoint
@@ -248,7 +248,7 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
 def _unsharded_policy(state: RunState, main: bool) -> torch.nn.Module | None:
     """FSDP2's trained weights gathered whole into a freshly loaded copy of the policy on
     process 0 (its frozen weights are those it was loaded with); None in the others."""
-    weights, _ = full_state(state.trainer.parallel, None)
+    weights = full_weights(state.trainer.parallel)
     if not main:
         return None
     base = state.main_dir / "sft" / "merged" if state.sft_done else None
