@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: grpo_batch
@@ -23,7 +22,7 @@ from grpo_batch import make_batch  # noqa: E402
 from mogrpo.algo.logprobs import token_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.config.sections import DistributedConfig
-from mogrpo.train.distributed import Dist
+from mogrpo.train.distributed import Dist, process_group
 from mogrpo.train.parallel import ParallelPolicy, shard
 
 SHARDS = {0: [0], 1: [1, 2, 3, 4]}  # uneven on purpose: 1 row and 4 rows
@@ -75,20 +74,19 @@ def gradients(rows: list[int], dist: Dist, aggregation: str, strategy: str = "no
 
 def main() -> None:
     out, aggregations = Path(sys.argv[1]), sys.argv[2:]
-    torch_dist.init_process_group("gloo")
-    dist = Dist.current()
-    for strategy in ("ddp", "fsdp"):
-        for aggregation in aggregations:
-            start, grads = gradients(SHARDS[dist.rank], dist, aggregation, strategy,
-                                     perturb=dist.rank == 1)
-            torch.save({"grads": grads, "start": start, "world_size": dist.world_size},
-                       out / f"{strategy}-{aggregation}-rank{dist.rank}.pt")
-    mine = {"step": 7, "lr": 1e-5, "loss": 0.25 * (dist.rank + 1), "rollout/groups": 2 + dist.rank,
-            "time/step_s": 1.0 + dist.rank, "task/a/beta": 0.04, "kl": 0.1 * (dist.rank + 1),
-            **({"task/b/kl": 0.5} if dist.rank == 1 else {})}
-    (out / f"metrics-rank{dist.rank}.json").write_text(json.dumps(dist.reduce_metrics(mine)))
-    torch_dist.destroy_process_group()
-
+    with process_group("cpu") as dist:
+        for strategy in ("ddp", "fsdp"):
+            for aggregation in aggregations:
+                start, grads = gradients(SHARDS[dist.rank], dist, aggregation, strategy,
+                                         perturb=dist.rank == 1)
+                torch.save({"grads": grads, "start": start, "world_size": dist.world_size},
+                           out / f"{strategy}-{aggregation}-rank{dist.rank}.pt")
+        mine = {"step": 7, "lr": 1e-5, "loss": 0.25 * (dist.rank + 1),
+                "rollout/groups": 2 + dist.rank, "time/step_s": 1.0 + dist.rank,
+                "task/a/beta": 0.04, "kl": 0.1 * (dist.rank + 1),
+                **({"task/b/kl": 0.5} if dist.rank == 1 else {})}
+        (out / f"metrics-rank{dist.rank}.json").write_text(
+            json.dumps(dist.reduce_metrics(mine)))
 
 if __name__ == "__main__":
     main()

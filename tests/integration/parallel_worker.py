@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
 
 from mogrpo.algo.choices import LOSS_AGGREGATIONS
 from mogrpo.config import load_config
@@ -26,7 +25,7 @@ from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.tasks.context import render_prompts
 from mogrpo.tasks.task import load_tasks
 from mogrpo.tracking import names
-from mogrpo.train.distributed import Dist
+from mogrpo.train.distributed import Dist, process_group
 from mogrpo.train.grpo import GRPOTrainer, ScoredBatch
 from mogrpo.train.parallel import full_weights, parallelize
 from mogrpo.train.run import build_context, seed_everything
@@ -137,16 +136,13 @@ def run_case(strategy: str, aggregation: str, mu: int, lora: bool, model: Path, 
 
 def main() -> None:
     out, model = Path(sys.argv[1]), Path(sys.argv[2])
-    torch_dist.init_process_group("gloo")
-    dist = Dist.current()
-    strategies = STRATEGIES if dist.world_size > 1 else ("none",)
-    for setting in SETTINGS:
-        for strategy in strategies:
-            result = run_case(strategy, *setting, model, out, dist)
-            if dist.is_main:
-                torch.save(result, out / f"{case_name(*setting)}-{strategy}.pt")
-    torch_dist.destroy_process_group()
-
+    with process_group("cpu") as dist:
+        strategies = STRATEGIES if dist.world_size > 1 else ("none",)
+        for setting in SETTINGS:
+            for strategy in strategies:
+                result = run_case(strategy, *setting, model, out, dist)
+                if dist.is_main:
+                    torch.save(result, out / f"{case_name(*setting)}-{strategy}.pt")
 
 if __name__ == "__main__":
     main()

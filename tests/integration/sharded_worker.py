@@ -7,9 +7,8 @@ then the root) when STRATEGY is `fsdp`, with DDP when `ddp`, left plain when `no
 Each step draws this process's batch from its own torch, NumPy and Python RNGs (seeded per
 rank), so a resume that did not restore them would train on other batches. Modes:
 
-- `train`: steps 1-2, save step 2, steps 3-4, save step 4, save the final model (HF folder
-  OUT/hf); the full weights and optimizer state after steps 2 and 4 go to OUT/full-2.pt and
-  OUT/full-4.pt (process 0).
+- `train`: steps 1-2, save step 2, steps 3-4, save step 4; the full weights and optimizer
+  state after steps 2 and 4 go to OUT/full-2.pt and OUT/full-4.pt (process 0).
 - `resume`: pick the checkpoint (`--resume auto`), load it; OUT/loaded.pt holds what was
   loaded, OUT/rng-R.pt process R's torch RNG state once restored; if it is step 2, steps 3-4
   follow and OUT/full-4.pt holds the result.
@@ -25,6 +24,7 @@ import os
 import random
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mogrpo.checkpoint import sharded, store
+from mogrpo.train.distributed import DRAIN_S
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -123,10 +124,9 @@ def main() -> None:
             dump(model, optimizer, out / f"full-{step}.pt")
         elif step == 4:
             dump(model, optimizer, out / "full-4.pt")
-    if mode == "train":
-        sharded.save_full_model(model, out / "hf", tokenizer=AutoTokenizer.from_pretrained(model_dir))
     dist.barrier()
     dist.destroy_process_group()
+    time.sleep(DRAIN_S)  # as `process_group` does (it joins only with several processes)
 
 
 if __name__ == "__main__":

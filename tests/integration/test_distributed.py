@@ -10,8 +10,6 @@ process 0's weights although process 1 loaded others (what `Dist.broadcast_param
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from dp_worker import SHARDS, gradients
 
 from mogrpo.algo.choices import LOSS_AGGREGATIONS
 from mogrpo.train.distributed import Dist
+from multiproc import torchrun
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 STRATEGIES = ("ddp", "fsdp")
@@ -28,11 +27,7 @@ STRATEGIES = ("ddp", "fsdp")
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKER), str(out), *LOSS_AGGREGATIONS],
-        capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(str(WORKER), str(out), *LOSS_AGGREGATIONS)
     return out
 
 

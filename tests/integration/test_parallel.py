@@ -12,13 +12,13 @@ tests/integration/test_parallel.py`.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from parallel_worker import SETTINGS, case_name
+
+from multiproc import torchrun
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -28,11 +28,7 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 def results(tmp_path_factory, tiny_model) -> Path:
     out = tmp_path_factory.mktemp("parallel")
     for n in (1, 2):
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             str(n), str(WORKER), str(out), str(tiny_model)],
-            capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
+        torchrun(str(WORKER), str(out), str(tiny_model), nproc=n, timeout=600)
     return out
 
 

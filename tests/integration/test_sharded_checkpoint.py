@@ -1,42 +1,34 @@
 """Sharded checkpoints with two processes (FSDP2 `fully_shard` over gloo, started by torchrun):
 exact resume, re-sharding to another world size, a manifest over every process's files, a
-damaged shard skipped, a process killed during the save, and the final HF folder.
+damaged shard skipped, a process killed during the save. (The final model a sharded run writes
+is tested with the run: test_torchrun_train.py.)
 
 The processes are sharded_worker.py (its docstring says what each mode does). The default run
 starts two launches (about 20-35 s on a busy 2-core machine); the re-sharding and kill tests
-are marked slow (one or two launches each; all nine tests take about 2.5 minutes)."""
+are marked slow (one or two launches each; all eight tests take about 2.5 minutes)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import mogrpo
 from mogrpo.checkpoint import sharded, store
+from multiproc import torchrun
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
-SRC = Path(mogrpo.__file__).resolve().parents[1]
 
 
 def launch(mode: str, model: Path, run: Path, out: Path, nproc: int = 2,
            strategy: str = "fsdp", check: bool = True) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), str(WORKER), mode, str(model), str(run), str(out), strategy],
-        capture_output=True, text=True, timeout=300, env=env)
-    if check:
-        assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return torchrun(str(WORKER), mode, str(model), str(run), str(out), strategy, nproc=nproc,
+                    check=check)
 
 
 def only_step_2(run: Path, tmp: Path) -> Path:
@@ -106,20 +98,6 @@ def test_two_process_resume_is_bit_identical(fsdp_run, tiny_model, tmp_path):
     assert not torch.equal(restored[0], restored[1])
 
 
-def test_the_final_model_is_one_plain_transformers_folder(fsdp_run):
-    from transformers import AutoModelForCausalLM
-
-    _, out = fsdp_run
-    assert sorted(p.name for p in (out / "hf").glob("*.safetensors")) == ["model.safetensors"]
-    model = AutoModelForCausalLM.from_pretrained(out / "hf")
-    want = torch.load(out / "full-4.pt", weights_only=True)["weights"]
-    got = model.state_dict()
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
-
-
-@pytest.mark.slow
 def test_two_processes_resharded_into_one(fsdp_run, tiny_model, tmp_path):
     run, out = fsdp_run
     launch("resume", tiny_model, only_step_2(run, tmp_path), tmp_path / "out", nproc=1,

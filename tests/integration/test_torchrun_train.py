@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from mogrpo.demo import demo_base
+from multiproc import torchrun
 
 USER_REWARDS = Path(__file__).with_name("user_rewards.py")
 TIMING = ("time/", "throughput/", "memory/")
@@ -44,13 +43,11 @@ def write_config(tmp_path: Path, model: Path, name: str, steps: int, **train) ->
     return path
 
 
-def torchrun(config: Path, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "mogrpo.cli", "train", str(config), *args],
-        capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
+def train(config: Path, *args: str, check: bool = True,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m mogrpo.cli train CONFIG ARGS`."""
+    return torchrun("-m", "mogrpo.cli", "train", str(config), *args, timeout=600, check=check,
+                    env=env)
 
 
 def lines(path: Path) -> list[dict]:
@@ -77,7 +74,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("torchrun")
-    torchrun(write_config(tmp, tiny_model, "whole", 3))
+    train(write_config(tmp, tiny_model, "whole", 3))
     return tmp / "whole"
 
 
@@ -105,8 +102,8 @@ def test_two_processes_train_one_model(whole):
 
 def test_resume_under_torchrun_continues_exactly(whole, tmp_path, tiny_model):
     config = write_config(tmp_path, tiny_model, "cut", 2)
-    torchrun(config)
-    torchrun(config, "--resume", "auto", "--set", "train.max_steps=3")
+    train(config)
+    train(config, "--resume", "auto", "--set", "train.max_steps=3")
     assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(whole / "metrics.jsonl")
     a = weights(tmp_path / "cut" / "checkpoints" / "step-0000003")
     b = weights(whole / "checkpoints" / "step-0000003")
@@ -118,9 +115,7 @@ def test_a_step_that_does_not_split_is_refused(tmp_path, tiny_model):
     data = yaml.safe_load(config.read_text())
     data["train"]["gradient_accumulation_steps"] = 3  # 12 completions = 3 prompts per step
     config.write_text(yaml.safe_dump(data))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "mogrpo.cli", "train", str(config)], capture_output=True, text=True, timeout=300)
+    done = train(config, check=False)
     assert done.returncode != 0
     assert "3 prompts per step do not split over 2 processes" in done.stderr
 
@@ -140,8 +135,8 @@ def full_finetune(tmp_path: Path, model: Path, name: str, steps: int, strategy: 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("fsdp")
-    torchrun(full_finetune(tmp, tiny_model, "fsdp", 3, "fsdp"))
-    torchrun(full_finetune(tmp, tiny_model, "ddp", 3, "ddp"))
+    train(full_finetune(tmp, tiny_model, "fsdp", 3, "fsdp"))
+    train(full_finetune(tmp, tiny_model, "ddp", 3, "ddp"))
     return tmp
 
 
@@ -175,8 +170,8 @@ def test_fsdp_run_is_one_run_and_matches_ddp(sharded):
 @pytest.mark.slow  # two more torchrun runs (~40 s on 2 cores)
 def test_fsdp_resume_continues_exactly(sharded, tmp_path, tiny_model):
     config = full_finetune(tmp_path, tiny_model, "fsdp", 2, "fsdp")
-    torchrun(config)
-    torchrun(config, "--resume", "auto", "--set", "train.max_steps=3")
+    train(config)
+    train(config, "--resume", "auto", "--set", "train.max_steps=3")
     assert lines(tmp_path / "fsdp" / "metrics.jsonl") == lines(sharded / "fsdp" / "metrics.jsonl")
     a, b = final_weights(tmp_path / "fsdp"), final_weights(sharded / "fsdp")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -193,17 +188,14 @@ def test_fsdp_sigkill_of_one_process_mid_update_then_restart_reaches_the_same_we
         path.write_text(yaml.safe_dump(data))
         return path
 
-    torchrun(config("whole"))
+    train(config("whole"))
     cut = config("cut")
     # process 1 kills itself in the first forward of the update after its 3rd scoring (step 2
     # or 3: it scores one or both tasks a step); torchrun then stops process 0
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "mogrpo.cli", "train", str(cut)], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "KILL_IN_UPDATE_CALL": "3", "KILL_RANK": "1"})
+    done = train(cut, check=False, env={"KILL_IN_UPDATE_CALL": "3", "KILL_RANK": "1"})
     assert done.returncode != 0
     assert 1 <= len(lines(tmp_path / "cut" / "metrics.jsonl")) < 3
-    torchrun(cut, "--resume", "auto")
+    train(cut, "--resume", "auto")
     assert lines(tmp_path / "cut" / "metrics.jsonl") == lines(tmp_path / "whole" / "metrics.jsonl")
     a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "whole")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -214,7 +206,7 @@ def test_fsdp_bf16_mixed_precision_trains_float32_shards(sharded, tmp_path, tiny
     data = yaml.safe_load(config.read_text())
     data["distributed"]["mixed_precision"] = "bf16"
     config.write_text(yaml.safe_dump(data))
-    torchrun(config)
+    train(config)
     got, fp32 = lines(tmp_path / "bf16" / "metrics.jsonl"), lines(sharded / "fsdp" / "metrics.jsonl")
     assert [m["step"] for m in got] == [1, 2, 3]
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["policy/grad_norm"]) for m in got)
@@ -229,8 +221,6 @@ def test_fsdp_bf16_mixed_precision_trains_float32_shards(sharded, tmp_path, tiny
 
 def test_strategy_none_with_two_processes_is_refused(tmp_path, tiny_model):
     config = full_finetune(tmp_path, tiny_model, "none", 1, "none")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "mogrpo.cli", "train", str(config)], capture_output=True, text=True, timeout=300)
+    done = train(config, check=False)
     assert done.returncode != 0
     assert "distributed.strategy: none trains in one process, but 2 processes" in done.stderr

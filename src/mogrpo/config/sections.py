@@ -267,8 +267,9 @@ class RolloutConfig(Section):
     engine: RolloutEngine = "auto"
     """Who generates: `native` (mogrpo's decode loop: Llama, Mistral, Qwen2/3, Gemma, Phi-3),
     `hf` (transformers' generate(), the reference), `auto` (native where the model can run on
-    it, else hf with one log line saying why), `vllm` (vLLM colocated on the training GPU;
-    `pip install 'mogrpo[vllm]'`, CUDA only; options under `rollout.vllm`)."""
+    it, else hf with one log line saying why), `vllm` (vLLM colocated on the training GPU,
+    one engine per training process; `pip install 'mogrpo[vllm]'`, CUDA only; options under
+    `rollout.vllm`)."""
     generation_batch_size: int | None = Field(None, ge=1)
     """Completions decoded at once (prompts × K); None = the whole step's. Independent of
     `train.micro_batch_size`: lower it only to cap generation memory. vllm: its

@@ -6,6 +6,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
@@ -37,10 +38,21 @@ class TaskEval:
                 if k not in ("reward", "samples")}
 
 
+class Processes(Protocol):
+    """The training processes (`mogrpo.train.distributed.Dist`): who evaluates which prompts."""
+
+    def shard(self, items: list) -> list: ...
+
+    def gather(self, value: Any) -> list[Any]: ...
+
+
 def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
-             step: int = 0) -> dict[str, TaskEval]:
+             step: int = 0, processes: Processes | None = None) -> dict[str, TaskEval]:
     """Greedy completions for up to `eval.max_samples` held-out prompts of every task, scored
-    as at training step `step` (the reward functions' `trainer_state.global_step`)."""
+    as at training step `step` (the reward functions' `trainer_state.global_step`).
+
+    With several `processes` each decodes and scores its share of the prompts (interleaved),
+    so no reward or judge call is made twice; every process gets the same results."""
     cfg = ctx.config
     state = TrainerState(global_step=step, max_steps=cfg.train.max_steps)
     greedy = replace(ctx.sampling, greedy=True)
@@ -51,12 +63,13 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
             continue
         label = cfg.eval.reward or task.reward_labels[0]
         fn = task.reward_fns[task.reward_labels.index(label)]
-        scores: list[float] = []
-        lengths: list[int] = []
-        truncated: list[bool] = []
-        shown: list[tuple[str, str]] = []
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
+        mine = list(range(len(examples)))
+        if processes is not None:
+            mine = processes.shard(mine)
+        rows: list[tuple[int, float, int, bool, str, str]] = []  # index, score, length, cut, ...
+        for start in range(0, len(mine), batch_size):
+            indexes = mine[start:start + batch_size]
+            chunk = [examples[i] for i in indexes]
             texts, add_special = render_prompts(ctx, [(t, ex) for ex in chunk])
             rollout = generate_rollout(
                 ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
@@ -66,10 +79,12 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
             values = score_examples([fn], chunk, rollout.texts, rollout.completion_ids,
                                     rollout.lengths.tolist(), rollout.truncated.tolist(),
                                     trainer_state=state)
-            scores.extend(v for v in values[:, 0].tolist() if not math.isnan(v))
-            lengths.extend(rollout.lengths.tolist())
-            truncated.extend(rollout.truncated.tolist())
-            shown.extend(zip(texts, rollout.texts, strict=True))
+            rows.extend(zip(indexes, values[:, 0].tolist(), rollout.lengths.tolist(),
+                            rollout.truncated.tolist(), texts, rollout.texts, strict=True))
+        if processes is not None:
+            rows = sorted(row for part in processes.gather(rows) for row in part)
+        _, values, lengths, truncated, prompts, completions = zip(*rows, strict=True)
+        scores = [v for v in values if not math.isnan(v)]
         mean = sum(scores) / len(scores) if scores else float("nan")
         results[task.name] = TaskEval(
             score=mean,
@@ -79,7 +94,7 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
             reward=label,
             score_std=math.sqrt(sum((v - mean) ** 2 for v in scores) / len(scores))
             if scores else float("nan"),
-            samples=shown[:samples],
+            samples=list(zip(prompts, completions, strict=True))[:samples],
         )
     return results
 
@@ -129,9 +144,11 @@ class QuickEval:
     """Greedy eval at the start, every `eval.every_steps` and at the end: prints the compact
     table, writes eval.jsonl, keeps the Pareto front of evaluated steps in pareto.json."""
 
-    def __init__(self, ctx: TrainContext, run_dir: Path) -> None:
+    def __init__(self, ctx: TrainContext, run_dir: Path,
+                 processes: Processes | None = None) -> None:
         self.ctx = ctx
         self.run_dir = run_dir
+        self.processes = processes
         self.writer = MetricsWriter(run_dir / "eval.jsonl")
         self.pareto = ParetoTracker([t.name for t in ctx.tasks])
         self.scores: dict[str, dict[str, float]] = {}
@@ -141,7 +158,8 @@ class QuickEval:
 
     def __call__(self, tag: str, step: int, step_metrics: dict[str, float] | None = None
                  ) -> dict[str, float]:
-        results = evaluate(self.ctx, samples=self.ctx.config.eval.print_samples, step=step)
+        results = evaluate(self.ctx, samples=self.ctx.config.eval.print_samples, step=step,
+                           processes=self.processes)
         if not results:
             return {}
         step_metrics = step_metrics or {}

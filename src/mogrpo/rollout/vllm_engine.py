@@ -99,8 +99,14 @@ def sampling_kwargs(settings: SamplingSettings, *, n: int, stop_ids: list[int],
     )
 
 
-def llm_kwargs(config: RunConfig, model_path: str, policy_dtype: torch.dtype) -> dict[str, Any]:
-    """`LLM(...)` keyword arguments for a colocated engine serving `model_path`."""
+def llm_kwargs(config: RunConfig, model_path: str, policy_dtype: torch.dtype, *,
+               rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """`LLM(...)` keyword arguments for a colocated engine serving `model_path`.
+
+    With several training processes (torchrun) each runs an engine of its own on its own GPU:
+    vLLM's `external_launcher` backend takes the process's place from torchrun's environment
+    instead of starting workers, and each engine draws from its own seed (`seed + rank`), so
+    the processes' completions are independent samples."""
     ro, vc = config.rollout, config.rollout.vllm
     kwargs: dict[str, Any] = dict(
         model=model_path,
@@ -111,10 +117,12 @@ def llm_kwargs(config: RunConfig, model_path: str, policy_dtype: torch.dtype) ->
         enable_sleep_mode=vc.sleep_during_update,
         enforce_eager=vc.enforce_eager,
         max_model_len=ro.prompt_length + ro.completion_length,
-        seed=config.seed,
+        seed=config.seed + rank,
         trust_remote_code=config.model.trust_remote_code,
         logprobs_mode="processed_logprobs",
     )
+    if world_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
     if ro.generation_batch_size is not None:
         kwargs["max_num_seqs"] = ro.generation_batch_size
     return kwargs
@@ -174,11 +182,13 @@ class VLLMEngine:
         self.pushes = 0
 
     @classmethod
-    def create(cls, policy: nn.Module, config: RunConfig, model_path: str) -> VLLMEngine:
-        """Start vLLM on `model_path` (the policy's base checkpoint) next to the trainer."""
+    def create(cls, policy: nn.Module, config: RunConfig, model_path: str, *, rank: int = 0,
+               world_size: int = 1) -> VLLMEngine:
+        """Start vLLM on `model_path` (the policy's base checkpoint) next to the trainer (in
+        process `rank` of `world_size`, each with an engine of its own)."""
         LLM, SamplingParams = import_vllm()
         param = next(policy.parameters())
-        kwargs = llm_kwargs(config, model_path, param.dtype)
+        kwargs = llm_kwargs(config, model_path, param.dtype, rank=rank, world_size=world_size)
         log.info("starting vLLM on %s (%.0f%% of the GPU's memory, max_model_len %d)",
                  model_path, 100 * kwargs["gpu_memory_utilization"], kwargs["max_model_len"])
         engine = cls(LLM(**kwargs), SamplingParams, policy,
@@ -205,7 +215,10 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
 
     def push_weights(self) -> int:
-        """Copy the policy's current weights into vLLM (LoRA merged); returns how many tensors."""
+        """Copy the policy's current weights into vLLM (LoRA merged); returns how many tensors.
+
+        Under FSDP2 the caller gathers the weights first (`ParallelPolicy.gathered`): every
+        process pushes the whole model into its own engine."""
         if not self.weights_awake:
             self._wake("weights")
             self.weights_awake = True

@@ -76,6 +76,9 @@ def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
                 "train it as a LoRA target instead"
             )
         for pname, param in module.named_parameters(recurse=False):
+            if type(param).__name__ == "DTensor":  # an FSDP2 shard, not the weight
+                raise RuntimeError(f"{name}.{pname} is sharded (FSDP2): gather the weights "
+                                   "first (ParallelPolicy.gathered) to read them whole")
             if id(param) in seen:  # tied (lm_head = embed_tokens): the checkpoint's first name
                 continue
             seen.add(id(param))

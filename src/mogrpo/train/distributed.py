@@ -13,6 +13,9 @@ nothing touches torch.distributed.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,14 +114,30 @@ def weights_checksum(model: torch.nn.Module) -> float:
                          if p.requires_grad))
 
 
-def init_distributed(device: str) -> Dist:
-    """Join the process group torchrun describes (WORLD_SIZE > 1), or stay a single process.
+DRAIN_S = 0.5  # how long gloo's worker threads get the GIL after the last collective
 
-    gloo on CPU, nccl on CUDA with one GPU per process (LOCAL_RANK)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+
+@contextmanager
+def process_group(device: str) -> Iterator[Dist]:
+    """The process group torchrun describes, held for the length of a run (a single process
+    without torchrun).
+
+    Joined on entry, unless the caller joined it already (then it is theirs and stays). Left on
+    a clean exit, after a barrier so that no process closes its connections while another still
+    uses them. Then the GIL is let go for a moment (`DRAIN_S`): gloo's worker threads free a
+    finished collective's tensors after the caller has seen it complete, which needs the GIL,
+    and a worker thread that asks for it once the interpreter is shutting down aborts the
+    process ("terminate called without an active exception", SIGABRT) after a run that had
+    finished. After an error the group is not destroyed (destroying may wait for a peer that
+    failed); the process exits and torchrun stops the others."""
+    joining = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if joining:  # gloo on CPU, nccl on CUDA with one GPU per process (LOCAL_RANK)
         cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist.current()
+    yield Dist.current()
+    if joining and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        time.sleep(DRAIN_S)

@@ -440,7 +440,8 @@ class GRPOTrainer:
         metrics.update(self.update(batch))
         if self.ctx.rollout_engine is not None:  # the next rollout samples the new weights
             sync_start = time.perf_counter()
-            self.ctx.rollout_engine.push_weights()
+            with self.parallel.gathered():  # FSDP2: each engine takes the whole model
+                self.ctx.rollout_engine.push_weights()
             metrics[names.TIME_WEIGHT_SYNC] = time.perf_counter() - sync_start
         t3 = time.perf_counter()
         self.step += 1

@@ -34,7 +34,7 @@ from mogrpo.tasks.task import Task, load_tasks
 from mogrpo.tracking.jsonl import MetricsWriter, Tee
 from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
-from mogrpo.train.distributed import Dist, init_distributed
+from mogrpo.train.distributed import Dist, process_group
 from mogrpo.train.grpo import GRPOTrainer
 from mogrpo.train.parallel import ParallelPolicy, full_weights, parallelize
 from mogrpo.train.sft import run_sft
@@ -60,16 +60,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
-    """Under torchrun, join the process group and check the config suits several processes.
+def join_processes(config: RunConfig, dist: Dist) -> tuple[RunConfig, Path]:
+    """Under torchrun (`dist` of several processes), check the config suits that many.
 
     Process 0 owns the run directory and the trackers; process r > 0 keeps its own files
     (metrics, its sampling RNG in its checkpoints) in `output.dir/.rank-r`, logs only errors
     and saves no final model; the SFT model is process 0's, in the main run directory."""
-    dist = init_distributed(config.device)
     main_dir = Path(config.output.dir)
     if dist.world_size == 1:
-        return config, dist, main_dir
+        return config, main_dir
     check_processes(config, dist.world_size)
     if not dist.is_main:
         logging.getLogger("mogrpo").setLevel(logging.ERROR)
@@ -77,7 +76,7 @@ def join_processes(config: RunConfig) -> tuple[RunConfig, Dist, Path]:
         data["output"]["dir"] = str(Path(config.output.dir) / f".rank-{dist.rank}")
         data["logging"]["trackers"] = []
         config = RunConfig.model_validate(data)
-    return config, dist, main_dir
+    return config, main_dir
 
 
 RUN_FILES = ("metrics.jsonl", "sft_metrics.jsonl", "eval.jsonl", "summary.json", "pareto.json",
@@ -137,7 +136,9 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
     if ro.engine == "vllm":  # started once the policy is on the GPU; it samples from its weights
         from mogrpo.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine.create(policy, config, str(base) if base else mc.name_or_path)
+        dist = Dist.current()
+        engine = VLLMEngine.create(policy, config, str(base) if base else mc.name_or_path,
+                                   rank=dist.rank, world_size=dist.world_size)
     return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling, engine)
 
 
@@ -146,9 +147,16 @@ def run_training(config: RunConfig, resume: str | None = None,
     """Run everything the config asks for; returns the summary also written to summary.json.
 
     With `resume` ("auto" or a checkpoint path) the run continues from a verified checkpoint
-    exactly where it stopped, or refuses with the reason.
+    exactly where it stopped, or refuses with the reason. Under torchrun the processes join
+    their group here and leave it when the run is done.
     """
-    config, dist, main_dir = join_processes(config)
+    with process_group(config.device) as dist:
+        return _train(config, dist, resume, allow_config_change)
+
+
+def _train(config: RunConfig, dist: Dist, resume: str | None,
+           allow_config_change: bool) -> dict[str, Any]:
+    config, main_dir = join_processes(config, dist)
     seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
     run_dir = prepare_run_dir(config, resuming=resume is not None)
@@ -163,7 +171,7 @@ def run_training(config: RunConfig, resume: str | None = None,
                                "memory_estimate_gib": summary_memory}
     log.info("%s", startup_summary(config, ctx.policy, ctx.device, ctx.tasks, summary_memory,
                                    run_dir, loaded.state["step"] if loaded else 0))
-    quick_eval = QuickEval(ctx, run_dir)
+    quick_eval = QuickEval(ctx, run_dir, dist)
     sft_done = bool(loaded and loaded.state["sft_done"])
     start_eval: dict[str, float] = {}
     if loaded is None:
