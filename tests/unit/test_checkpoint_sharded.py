@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from mogrpo.checkpoint import sharded, store
 from mogrpo.checkpoint.doctor import doctor_report
@@ -154,40 +154,6 @@ def test_a_single_process_checkpoint_is_not_loaded_as_sharded(tmp_path):
     with pytest.raises(CheckpointError, match="is a single-process checkpoint; resume it with "
                                               "one process"):
         sharded.load_sharded(path, model=model, optimizer=optimizer)
-
-
-def test_the_final_model_loads_with_plain_transformers(tmp_path, tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step_ids = torch.randint(0, 64, (2, 6))
-    model(input_ids=step_ids, labels=step_ids).loss.backward()
-    optimizer.step()  # weights no longer those on disk
-    out = sharded.save_full_model(model, tmp_path / "final",
-                                  tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
-    again = AutoModelForCausalLM.from_pretrained(out)
-    want = model.state_dict()
-    got = again.state_dict()
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
-    assert (out / "tokenizer.json").is_file()
-
-
-def test_a_lora_policy_saves_its_adapter(tmp_path, tiny_model_dir):
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
-    out = sharded.save_full_model(model, tmp_path / "adapter")
-    assert (out / "adapter_config.json").is_file()
-    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
-    want = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    got = again.state_dict()
-    assert len(want) == 8
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
 
 
 def test_a_failed_save_leaves_nothing_resume_would_pick(run_with_two, monkeypatch):

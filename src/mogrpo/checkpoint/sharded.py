@@ -34,7 +34,6 @@ Interface (every call is collective: all processes call it, in the same order):
     ...build and wrap the model and optimizer...
     loaded.load_into(model, optimizer)     # each process reads its shards (re-shards if needed)
     ...restore loaded.state into the run...; loaded.restore_rng()   # the RNGs last
-    save_full_model(model, out_dir, tokenizer=)    # one HF folder, from process 0
 
 (`load_sharded(path, model=, optimizer=)` is `open_sharded` + `load_into` in one call; a health
 rollback uses it and ignores the rest.) Process 0 alone prunes old checkpoints
@@ -316,43 +315,3 @@ def _load_tensors(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
                               f"be read into this model: {err}") from None
     set_model_state_dict(model, tensors[_MODEL], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, tensors[_OPTIM])
-
-
-# ----------------------------------------------------------------------------- final model
-
-
-def save_full_model(model: torch.nn.Module, out_dir: Path, *, tokenizer: Any = None) -> Path | None:
-    """Gather the full weights to process 0 and save one ordinary Hugging Face folder there
-    (collective): a transformers model loads with `AutoModelForCausalLM.from_pretrained`, a
-    peft model saves its adapter (`PeftModel.from_pretrained`). Returns `out_dir` in process
-    0, None elsewhere."""
-    from mogrpo.modeling.dropout import original_dropout_config
-
-    rank, _ = _rank_world()
-    adapter = hasattr(_unwrap(model), "peft_config")  # peft saves the adapter: gather it only
-    full = get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter))
-    error = None
-    if rank == 0:  # the others hold an empty dict (cpu_offload gathers to process 0 only)
-        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            target = _unwrap(model)
-            with original_dropout_config(target):
-                # save_pretrained consumes the dict it is given: hand it a copy
-                target.save_pretrained(tmp, state_dict=dict(full))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out_dir, ignore_errors=True)
-            tmp.rename(out_dir)
-        except OSError as err:
-            error = f"the final model was not saved to {out_dir}: {err}"
-    _raise_if_any(error)
-    return out_dir if rank == 0 else None
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under DDP (FSDP2 wraps in place: the model is still the HF/peft class)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
