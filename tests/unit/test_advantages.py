@@ -163,3 +163,46 @@ def test_reward_stats_all_missing_objective():
     stats = reward_stats(torch.tensor([[[1.0, NAN], [2.0, NAN]]]))
     assert math.isnan(stats["mean"][1]) and math.isnan(stats["std"][1])
     assert stats["missing_frac"] == [0.0, 1.0] and stats["zero_var_frac"] == [0.0, 1.0]
+
+
+class TwoProcesses:
+    """Process `rank` of 2 whose `gather` returns both processes' rows (given up front)."""
+
+    def __init__(self, rank: int, rows: list) -> None:
+        self.rank, self.world_size, self.rows = rank, 2, rows
+
+    def gather(self, value):
+        sent = torch.tensor(value).reshape(-1) if value else torch.empty(0)
+        mine = torch.tensor(self.rows[self.rank]).reshape(-1) if value else torch.empty(0)
+        assert torch.equal(sent.nan_to_num(-1.0), mine.nan_to_num(-1.0))  # its own rows
+        return self.rows
+
+
+@pytest.mark.parametrize("combine", ["sum_then_normalize", "normalize_then_sum"])
+def test_batch_scaling_over_processes_uses_the_std_of_every_processes_groups(combine):
+    from mogrpo.train.grpo import all_process_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(5, 4, 2, generator=g) * torch.tensor([1.0, 10.0])  # [N, K, J]
+    rewards[3, 1, 0] = float("nan")  # a missing score travels too
+    weights = [1.0, 0.5]
+    whole = group_advantages(rewards, weights, combine=combine, scale="batch")
+    shares = {0: [0, 2, 4], 1: [1, 3]}  # interleaved, as Dist.shard splits the groups
+    rows = [rewards[shares[r]].tolist() for r in (0, 1)]
+    for rank, mine in shares.items():
+        got = all_process_advantages(rewards[mine], weights, combine=combine, scale="batch",
+                                     dist=TwoProcesses(rank, rows))
+        assert torch.allclose(got, whole[mine], atol=1e-6)
+        # what each process alone would compute: a std over its own groups only
+        alone = group_advantages(rewards[mine], weights, combine=combine, scale="batch")
+        assert not torch.allclose(got, alone, atol=1e-3)
+
+
+def test_a_process_without_groups_of_the_task_still_joins_and_gets_none():
+    from mogrpo.train.grpo import all_process_advantages
+
+    rewards = torch.tensor([[[1.0], [0.0]], [[0.5], [0.0]]])  # [2, K=2, J=1]
+    rows = [rewards.tolist(), []]
+    got = all_process_advantages(torch.empty(0, 2, 1), [1.0], combine="sum_then_normalize",
+                                 scale="batch", dist=TwoProcesses(1, rows))
+    assert got.shape == (0, 2)

@@ -38,9 +38,6 @@ def check_processes(config: RunConfig, nproc: int) -> str:
                         "rollout.num_generations a multiple of it")
     if config.algorithm.dynamic_sampling:
         problems.append("algorithm.dynamic_sampling is not supported with several processes yet")
-    if config.algorithm.advantage_scaling == "batch":
-        problems.append("algorithm.advantage_scaling: batch is not supported with several "
-                        "processes yet (use group or none)")
     try:
         strategy = strategy_for(config.distributed, nproc)
     except ConfigError as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,14 +231,21 @@ class GRPOTrainer:
         beta = torch.zeros(ro.batch_size)
         task_ids = torch.tensor([t for t, _ in batch.picks for _ in range(K)])
         metrics: dict[str, float] = {}
+        # batch scaling divides by a std over the task's groups of every process
+        shared = algo.advantage_scaling == "batch" and self.dist.world_size > 1
         for t, task in enumerate(self.ctx.tasks):
             groups = [g for g, (pt, _) in enumerate(batch.picks) if pt == t]
+            if not groups and not shared:
+                continue
+            grouped = torch.stack([batch.rewards[g] for g in groups]) if groups else \
+                torch.empty(0, K, len(task.reward_labels))  # [n, K, J]
+            weights = task.reward_weights(self.step)
+            adv = all_process_advantages(grouped, weights, combine=algo.advantage_combine,
+                                         scale=algo.advantage_scaling, dist=self.dist) \
+                if shared else group_advantages(grouped, weights, combine=algo.advantage_combine,
+                                                scale=algo.advantage_scaling)  # [n, K]
             if not groups:
                 continue
-            grouped = torch.stack([batch.rewards[g] for g in groups])  # [n, K, J]
-            weights = task.reward_weights(self.step)
-            adv = group_advantages(grouped, weights, combine=algo.advantage_combine,
-                                   scale=algo.advantage_scaling)  # [n, K]
             rows = torch.tensor([g * K + k for g in groups for k in range(K)])
             advantages[rows] = adv.reshape(-1).cpu()
             beta[rows] = self.kl_controllers[t].beta
@@ -660,3 +668,15 @@ def _slice(ro: Rollout, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (prompt_ids[:, first:], prompt_mask[:, first:],
             completion_ids[:, :width], completion_mask[:, :width])
 
+
+def all_process_advantages(grouped: torch.Tensor, weights: torch.Tensor | Sequence[float], *,
+                           combine: str, scale: str, dist: Dist) -> torch.Tensor:
+    """`group_advantages` of this process's groups [n, K, J] computed over every process's
+    groups of the task (all-gathered), so a batch-wide std is that of the global batch."""
+    K, J = grouped.shape[1:]
+    parts = dist.gather(grouped.cpu().tolist())  # every process's [n_r, K, J] rows
+    everyone = torch.tensor([row for part in parts for row in part],
+                            dtype=grouped.dtype).reshape(-1, K, J)
+    start = sum(len(part) for part in parts[:dist.rank])
+    adv = group_advantages(everyone, weights, combine=combine, scale=scale)  # [N, K]
+    return adv[start:start + len(grouped)].to(grouped.device)
