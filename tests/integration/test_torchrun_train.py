@@ -224,3 +224,26 @@ def test_strategy_none_with_two_processes_is_refused(tmp_path, tiny_model):
     done = train(config, check=False)
     assert done.returncode != 0
     assert "distributed.strategy: none trains in one process, but 2 processes" in done.stderr
+
+
+def test_dynamic_sampling_rounds_alike_in_both_processes(tmp_path, tiny_model):
+    config = write_config(tmp_path, tiny_model, "dapo", 2)
+    data = yaml.safe_load(config.read_text())
+    # fairness is scored by a reward that is the same for every completion: no signal
+    data["tasks"]["fairness"]["rewards"] = [{"fn": f"{USER_REWARDS}:constant"}]
+    data["algorithm"] = {"dynamic_sampling": True, "max_refill_rounds": 2}
+    config.write_text(yaml.safe_dump(data))
+    train(config)
+    run = tmp_path / "dapo"
+    main, other = lines(run / "metrics.jsonl"), lines(run / ".rank-1" / "metrics.jsonl")
+    assert [m["step"] for m in main] == [1, 2] and other == main
+    for m in main:  # counts of both processes' groups, as one process would count them
+        assert m["rollout/dynamic_sampling/dropped"] >= 1
+        assert m["rollout/dynamic_sampling/rounds"] <= 2
+        # a process left with no informative group trains on its batch (zero advantages)
+        assert 2 - m["rollout/dynamic_sampling/missing"] <= m["rollout/groups"] <= 2
+    # one prompt stream: after the refill rounds both processes' prompt mixers stand alike
+    mixers = [json.loads((d / "checkpoints" / "step-0000002" / "trainer_state.json").read_text())
+              ["trainer"]["mixer"] for d in (run, run / ".rank-1")]
+    assert mixers[0] == mixers[1]
+    assert sum(mixers[0]["position"]) > 2 * 2  # refill rounds drew prompts beyond the steps'

@@ -123,14 +123,14 @@ def test_every_setting_several_processes_cannot_run_is_listed_at_once():
     from mogrpo.config.processes import check_processes
 
     config = RunConfig.model_validate({
-        "model": {"name_or_path": "m"}, "tasks": {"t": {"data": "d.jsonl", "rewards": [{"fn": "format"}]}},
-        "algorithm": {"dynamic_sampling": True},
+        "model": {"name_or_path": "m", "load_in_4bit": True},
+        "tasks": {"t": {"data": "d.jsonl", "rewards": [{"fn": "format"}]}},
         "lora": {"enabled": True}, "distributed": {"strategy": "fsdp", "mixed_precision": "bf16"}})
     with pytest.raises(ConfigError) as err:
         check_processes(config, 2)
     text = str(err.value)
     assert text.startswith("invalid config for 2 processes:")
-    for part in ("algorithm.dynamic_sampling",
+    for part in ("cannot shard 4-bit weights",
                  "mixed_precision: bf16 with LoRA is not supported yet"):
         assert part in text
     assert check_processes(config, 1) == "none"  # one process: nothing to refuse

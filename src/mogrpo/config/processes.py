@@ -36,8 +36,6 @@ def check_processes(config: RunConfig, nproc: int) -> str:
         problems.append(f"{config.prompts_per_step} prompts per step do not split over {nproc} "
                         "processes; make train.micro_batch_size × gradient_accumulation_steps / "
                         "rollout.num_generations a multiple of it")
-    if config.algorithm.dynamic_sampling:
-        problems.append("algorithm.dynamic_sampling is not supported with several processes yet")
     try:
         strategy = strategy_for(config.distributed, nproc)
     except ConfigError as err:

@@ -118,6 +118,9 @@ GROUPS = Metric("rollout/groups")
 DYNAMIC_SAMPLING = "rollout/dynamic_sampling"
 """The prefix of dynamic sampling's counts (`.../dropped`, `.../refilled`, ...)."""
 DROPPED = Metric(f"{DYNAMIC_SAMPLING}/dropped", when="algorithm.dynamic_sampling")
+DYNAMIC_SAMPLING_COUNTS = tuple(f"{DYNAMIC_SAMPLING}/{count}"
+                                for count in ("dropped", "refilled", "surplus", "missing"))
+"""Dynamic sampling's group counts: each process counts its own groups (summed over them)."""
 
 TIME_ROLLOUT = Metric("time/rollout_s")
 TIME_REWARD = Metric("time/reward_s")

@@ -46,10 +46,16 @@ class Dist:
 
     def sum(self, value: float) -> float:
         """`value` summed over all processes (float64, so token counts stay exact)."""
-        if self.world_size == 1:
-            return value
+        return self._all_reduce(value, dist.ReduceOp.SUM) if self.world_size > 1 else value
+
+    def max(self, value: int) -> int:
+        """The largest `value` of all processes."""
+        return int(self._all_reduce(value, dist.ReduceOp.MAX)) if self.world_size > 1 else value
+
+    @staticmethod
+    def _all_reduce(value: float, op: Any) -> float:
         total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(total, op=op)
         return float(total.item())
 
     def shard(self, items: list) -> list:
@@ -100,7 +106,7 @@ class Dist:
 # How each metric combines over processes: summed, the same everywhere (process 0's), the
 # largest (times, memory); any other is the mean of the processes' values.
 _SUMMED = {names.LOSS, names.GROUPS, names.PROMPT_TRUNCATED, names.NONFINITE_LOGITS,
-           names.TOKENS_PER_S}
+           names.TOKENS_PER_S, *names.DYNAMIC_SAMPLING_COUNTS}
 _SHARED = {names.STEP, names.LR, names.GRAD_NORM, names.UPDATE_NORM, names.SKIPPED_UPDATES}
 _SHARED_SUFFIXES = ("/" + names.TASK_BETA.suffix, "/" + names.OBJECTIVE_WEIGHT.stat)
 _LARGEST = {names.TIME_ROLLOUT, names.TIME_REWARD, names.TIME_UPDATE, names.TIME_STEP,

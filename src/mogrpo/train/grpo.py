@@ -202,9 +202,12 @@ class GRPOTrainer:
             groups = [g for g in range(len(current.picks)) if bool(keep[g])]
             if groups:
                 kept.append(_select(current, groups))
-            if not budget.needs_refill():
+            # the processes round alike (one prompt stream): another round while any of them
+            # is short, each given as many prompts as the one missing the most needs
+            missing = self.dist.max(budget.missing if budget.needs_refill() else 0)
+            if not missing:
                 break
-            picks = self.draw_prompts(budget.missing)
+            picks = self.draw_prompts(missing * self.dist.world_size)
             current = self.score(picks, self.generate(picks))
         if not kept:  # nothing informative at all: keep the batch; its advantages are all zero
             kept = [batch]
