@@ -213,3 +213,16 @@ def test_other_architectures_fall_back_to_generate_with_one_line(tok, caplog, mo
     assert "'gpt2' is not one of the native engine's families" in lines[0]
     assert "generate() instead" in lines[0]
     assert native.sampler_logp is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_equivalence_tests_run_the_fused_decode_path(family, tok):
+    """The fused path (one RMSNorm operation, q and k rotated together in four operations) is
+    what the tests above compare with generate(); families it does not fit keep the modules'
+    own arithmetic."""
+    decoder = NativeDecoder(family_model(family, tok))
+    assert decoder.plain is not None  # every family's projections run as plain matmuls
+    assert decoder.rotate_halves == (family != "qwen3")  # Qwen3 normalises q, k per head first
+    fused_norms = family != "gemma"  # Gemma's norm scales by 1 + weight: its own forward
+    assert (decoder.plain[0].norms is not None) == fused_norms
+    assert (decoder.final_norm is not None) == fused_norms

@@ -95,6 +95,7 @@ class _Plain:
     gate_up: Linear  # [2 I, hidden]
     down: Linear
     act: Callable[[Tensor], Tensor]
+    norms: tuple[Tensor, float, Tensor, float] | None = None  # RMSNorm weights and eps
 
 
 class NativeDecoder:
@@ -119,6 +120,10 @@ class NativeDecoder:
                 rotary=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
             ))
         self.plain = plain_projections(self.layers)  # None: call the modules
+        self.rotate_halves = self.plain is not None and _rotate_halves_possible(
+            self.layers, self.attention, self.backbone)
+        self.final_norm = _rms_norm_of(self.backbone.norm)
+        self.half_cos = self.half_sin = torch.empty(0)  # [T_max, 2, D/2]: see prefill
         self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
         self.values: list[Tensor] = []
         self.valid = torch.empty(0)  # [B, T_max] bool: key positions a query may attend to
@@ -136,11 +141,18 @@ class NativeDecoder:
         # Rotary tables for every position once: the rows are looked up per token afterwards.
         cos, sin = self.backbone.rotary_emb(x, torch.arange(total, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [T_max, D]
+        if self.rotate_halves:  # each head's halves (x1, x2) turn by cos (c; c), sin (-s; s)
+            half = self.cos.shape[-1] // 2
+            c, s = self.cos[:, :half], self.sin[:, :half]
+            self.half_cos = torch.stack([c, c], dim=-2)  # [T_max, 2, D/2]
+            self.half_sin = torch.stack([-s, s], dim=-2)
         first = self.attention[0]
         shape = (B, first.kv_heads, total, first.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.valid = torch.zeros(B, total, dtype=torch.bool, device=device)
+        # every generated column is valid for every live row (finished rows leave the batch),
+        # so the masks are complete up front: a decode step only widens its view of them
+        self.valid = torch.ones(B, total, dtype=torch.bool, device=device)
         self.valid[:, :P] = prompt_mask.bool()
         self.bias = torch.zeros(B, total, dtype=dtype, device=device).masked_fill_(
             ~self.valid, float("-inf"))
@@ -158,8 +170,6 @@ class NativeDecoder:
         """Feed one token per row [B]; next-token logits [B, V]."""
         x = self.backbone.embed_tokens(tokens[:, None])  # [B, 1, H]
         column = self.length
-        self.valid[:, column] = True
-        self.bias[:, column] = 0.0
         if x.device.type == "cpu":  # additive: see _attend_one
             mask = self.bias[:, None, None, : column + 1]  # [B, 1, 1, S]
         else:
@@ -177,40 +187,63 @@ class NativeDecoder:
         self.positions = self.positions[rows]
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        hidden = self.backbone.norm(hidden)
+        hidden = _norm(self.backbone.norm, self.final_norm, hidden)
         if type(self.head) is nn.Linear:
             return linear(hidden, self.head.weight, self.head.bias).float()  # [B, V]
         return self.head(hidden).float()
 
     def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """The decoder layers on x [B, T, H] at `positions` [B, T], writing T cache columns."""
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        if self.rotate_halves:  # [B, T, 1, 2, D/2]
+            cos, sin = self.half_cos[positions][:, :, None], self.half_sin[positions][:, :, None]
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
         start, T = self.length, x.shape[1]
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
+            if self.plain is None:
+                h = layer.input_layernorm(x)
+                x = x + self._attend(i, h, cos, sin, start, mask)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                continue
+            p = self.plain[i]
+            norms = p.norms or (None, 0.0, None, 0.0)
+            h = _norm(layer.input_layernorm, norms[:2], x)
             x = x + self._attend(i, h, cos, sin, start, mask)
-            h = layer.post_attention_layernorm(x)
-            x = x + (layer.mlp(h) if self.plain is None else _mlp(self.plain[i], h))
+            h = _norm(layer.post_attention_layernorm, norms[2:], x)
+            gate, up = linear(h, *p.gate_up).chunk(2, dim=-1)
+            x = x + linear(p.act(gate) * up, *p.down)
         self.length = start + T
         return x
 
     def _attend(self, i: int, h: Tensor, cos: Tensor, sin: Tensor, start: int,
                 mask: Tensor) -> Tensor:
+        """Attention of layer i on h [B, T, H]."""
         a = self.attention[i]
         attn = a.module
         B, T, _ = h.shape
-        if self.plain is None:
-            q, k, v = _project_qkv(attn, h, a)
+        if self.rotate_halves:  # q and k turned together; cos, sin per half (see prefill)
+            qkv = linear(h, *self.plain[i].qkv)  # [B, T, (H + 2 H_kv) D]
+            heads = a.heads + a.kv_heads
+            halves = qkv[..., :heads * a.head_dim].unflatten(-1, (heads, 2, a.head_dim // 2))
+            # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s): rotate_half's products and sums, so the
+            # result equals the modules' to the last bit, in four operations for q and k
+            qk = (halves * cos + halves.flip(-2) * sin).flatten(-2)  # [B, T, H + H_kv, D]
+            q, k = qk[:, :, :a.heads].transpose(1, 2), qk[:, :, a.heads:].transpose(1, 2)
+            v = qkv[..., heads * a.head_dim:].unflatten(-1, (a.kv_heads, a.head_dim))
+            v = v.transpose(1, 2)
         else:
-            w, b = self.plain[i].qkv
-            q, k, v = linear(h, w, b).split(
-                [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
-        q = q.view(B, T, a.heads, a.head_dim)
-        k = k.view(B, T, a.kv_heads, a.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = a.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
+            if self.plain is None:
+                q, k, v = _project_qkv(attn, h, a)
+            else:
+                w, b = self.plain[i].qkv
+                q, k, v = linear(h, w, b).split([a.heads * a.head_dim, a.kv_heads * a.head_dim,
+                                                 a.kv_heads * a.head_dim], dim=-1)
+            q = q.view(B, T, a.heads, a.head_dim)
+            k = k.view(B, T, a.kv_heads, a.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = a.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, D]
+            v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
         end = start + T
         self.keys[i][:, :, start:end] = k
         self.values[i][:, :, start:end] = v
@@ -243,10 +276,41 @@ def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: fl
     return out.reshape(B, H, 1, D)
 
 
-def _mlp(p: _Plain, h: Tensor) -> Tensor:
-    """The gated MLP down(act(gate(h)) * up(h)) with gate and up in one matmul."""
-    gate, up = linear(h, *p.gate_up).chunk(2, dim=-1)
-    return linear(p.act(gate) * up, *p.down)
+def _rms_norm_of(module: nn.Module) -> tuple[Tensor, float] | None:
+    """(weight, eps) of the RMSNorm every supported family but Gemma uses — weight times x over
+    its root mean square, computed in float32 — for `F.rms_norm`, the same arithmetic in one
+    operation; None for any other norm (its own forward runs)."""
+    eps = getattr(module, "variance_epsilon", None)
+    weight = getattr(module, "weight", None)
+    if not type(module).__name__.endswith("RMSNorm") or eps is None or \
+            not isinstance(weight, Tensor) or weight.dtype != torch.float32:
+        return None
+    return weight.detach(), float(eps)
+
+
+def _norm(module: nn.Module, fused: tuple | None, x: Tensor) -> Tensor:
+    """`module(x)` — through `F.rms_norm` where `_rms_norm_of` found its weights."""
+    if fused is None or fused[0] is None or x.dtype != torch.float32:
+        return module(x)
+    weight, eps = fused
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _rotate_halves_possible(layers: list[nn.Module], attention: list[_Attention],
+                            backbone: nn.Module) -> bool:
+    """Whether q and k can be rotated together on the plain path: no per-head q/k norm between
+    projection and rotation, and rotary tables over the whole head whose halves are equal
+    (cos[j] = cos[j + D/2]: the rotate-half form every supported family uses)."""
+    first = layers[0].self_attn
+    if hasattr(first, "q_norm") or any(a.head_dim % 2 for a in attention):
+        return False
+    weight = next(layers[0].parameters())
+    probe = torch.zeros(1, 1, dtype=weight.dtype, device=weight.device)
+    cos, sin = backbone.rotary_emb(probe, torch.arange(4, device=weight.device)[None])
+    half = attention[0].head_dim // 2
+    return cos.shape[-1] == attention[0].head_dim and \
+        bool(torch.equal(cos[..., :half], cos[..., half:])) and \
+        bool(torch.equal(sin[..., :half], sin[..., half:]))
 
 
 def _project_qkv(attn: nn.Module, h: Tensor, a: _Attention) -> tuple[Tensor, Tensor, Tensor]:
@@ -290,8 +354,8 @@ def _fuse(parts: list[Linear | None]) -> Linear | None:
 
 def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
-    copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per decode call (the weights change at
-    every optimizer step)."""
+    copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per
+    decode call (the weights change at every optimizer step)."""
     copied = 0
     for layer in layers:
         for module in layer.modules():
@@ -304,7 +368,8 @@ def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
         attn, mlp = layer.self_attn, layer.mlp
         names = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
         up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
-        if not all(hasattr(mlp, n) for n in (*up, "down_proj", "act_fn")):
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3
+        if act is None or not all(hasattr(mlp, n) for n in (*up, "down_proj")):
             return None
         qkv = _fuse([_plain_linear(getattr(attn, n)) for n in names])
         gate_up = _fuse([_plain_linear(getattr(mlp, n)) for n in up])
@@ -312,7 +377,10 @@ def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
         if qkv is None or gate_up is None or out is None or down is None:
             return None
         packed = [(pack(w), b) for w, b in (qkv, out, gate_up, down)]
-        plain.append(_Plain(*packed, act=mlp.act_fn))
+        first, second = (_rms_norm_of(layer.input_layernorm),
+                         _rms_norm_of(layer.post_attention_layernorm))
+        norms = (*first, *second) if first and second else None
+        plain.append(_Plain(*packed, act=act, norms=norms))
     return plain
 
 
