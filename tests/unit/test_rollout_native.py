@@ -226,3 +226,30 @@ def test_the_equivalence_tests_run_the_fused_decode_path(family, tok):
     fused_norms = family != "gemma"  # Gemma's norm scales by 1 + weight: its own forward
     assert (decoder.plain[0].norms is not None) == fused_norms
     assert (decoder.final_norm is not None) == fused_norms
+
+
+def test_rows_of_one_prompt_are_prefilled_once(tok):
+    """The K rows of a group share their prompt: prefill runs each distinct row once and copies
+    its keys, values and first logits to the others — the same as running every row."""
+    model = family_model("llama", tok)
+    enc = tok(PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left")
+    ids = enc["input_ids"].repeat_interleave(4, dim=0)  # [12, P]: 3 prompts x K = 4
+    mask = enc["attention_mask"].repeat_interleave(4, dim=0)
+    seen: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[0]))
+    shared = NativeDecoder(model)
+    with torch.no_grad():
+        logits = shared.prefill(ids, mask, max_new_tokens=4)
+        assert seen == [3]  # one forward over the 3 distinct prompts
+        every = NativeDecoder(model)
+        want = every._prefill(ids, mask, max_new_tokens=4)  # all 12 rows
+    hook.remove()
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    for got_k, want_k in zip(shared.keys, every.keys, strict=True):
+        torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=0)
+    assert torch.equal(shared.bias, every.bias) and torch.equal(shared.positions, every.positions)
+    # and the next step continues from the copies alike
+    step = torch.arange(12) % 7 + 5
+    with torch.no_grad():
+        torch.testing.assert_close(shared.step(step), every.step(step), atol=1e-5, rtol=0)

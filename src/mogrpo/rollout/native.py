@@ -133,7 +133,21 @@ class NativeDecoder:
         self.cos = self.sin = torch.empty(0)  # [T_max, D] rotary tables
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
-        """Run the prompts [B, P] (left-padded), fill the cache; last-position logits [B, V]."""
+        """Run the prompts [B, P] (left-padded), fill the cache; last-position logits [B, V].
+
+        Rows holding the same prompt (the K completions of a group) are run once: their keys,
+        values and first logits are the same, so each distinct row is computed and copied to
+        every row that holds it (a K-th of the prefill's arithmetic)."""
+        P = prompt_ids.shape[1]
+        rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [B, 2P]
+        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]
+        if len(distinct) == len(rows):
+            return self._prefill(prompt_ids, prompt_mask, max_new_tokens)
+        logits = self._prefill(distinct[:, :P], distinct[:, P:], max_new_tokens)  # [U, V]
+        self.keep(inverse)
+        return logits[inverse]
+
+    def _prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
         B, P = prompt_ids.shape
         total = P + max_new_tokens
         x = self.backbone.embed_tokens(prompt_ids)  # [B, P, H]
