@@ -1,4 +1,5 @@
-"""mogrpo's own decode loop: one batched prefill, a preallocated KV cache, finished rows removed.
+"""mogrpo's own decode loop: one batched prefill (each distinct prompt once), a preallocated KV
+cache, finished rows removed.
 
 `generate()` spends most of a small model's decode step in per-token Python (cache objects,
 mask building, processor lists, stopping criteria). This engine keeps only what the math
