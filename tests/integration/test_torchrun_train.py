@@ -219,6 +219,24 @@ def test_fsdp_bf16_mixed_precision_trains_float32_shards(sharded, tmp_path, tiny
     assert any(not torch.equal(final[k], start[k]) for k in start)  # it trained
 
 
+def test_fsdp_bf16_mixed_precision_trains_float32_lora_adapters(tmp_path, tiny_model):
+    """The adapters' gradients come back float32 although the first forward FSDP2 sees is the
+    reference's, with peft's adapters switched off (their requires_grad False)."""
+    config = write_config(tmp_path, tiny_model, "bf16-lora", 2)
+    data = yaml.safe_load(config.read_text())
+    data["distributed"] = {"strategy": "fsdp", "mixed_precision": "bf16"}
+    data["sft"]["enabled"] = False
+    config.write_text(yaml.safe_dump(data))
+    train(config)
+    got = lines(tmp_path / "bf16-lora" / "metrics.jsonl")
+    assert [m["step"] for m in got] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["policy/grad_norm"] > 0 for m in got)
+    adapter = load_file(tmp_path / "bf16-lora" / "final" / "adapter" / "adapter_model.safetensors")
+    assert adapter and {w.dtype for w in adapter.values()} == {torch.float32}
+    # B starts at zero: trained adapters have moved it
+    assert any(w.abs().sum() > 0 for k, w in adapter.items() if "lora_B" in k)
+
+
 def test_strategy_none_with_two_processes_is_refused(tmp_path, tiny_model):
     config = full_finetune(tmp_path, tiny_model, "none", 1, "none")
     done = train(config, check=False)

@@ -125,12 +125,11 @@ def test_every_setting_several_processes_cannot_run_is_listed_at_once():
     config = RunConfig.model_validate({
         "model": {"name_or_path": "m", "load_in_4bit": True},
         "tasks": {"t": {"data": "d.jsonl", "rewards": [{"fn": "format"}]}},
-        "lora": {"enabled": True}, "distributed": {"strategy": "fsdp", "mixed_precision": "bf16"}})
+        "lora": {"enabled": True}, "distributed": {"strategy": "fsdp"}})
     with pytest.raises(ConfigError) as err:
-        check_processes(config, 2)
+        check_processes(config, 3)
     text = str(err.value)
-    assert text.startswith("invalid config for 2 processes:")
-    for part in ("cannot shard 4-bit weights",
-                 "mixed_precision: bf16 with LoRA is not supported yet"):
+    assert text.startswith("invalid config for 3 processes:")
+    for part in ("cannot shard 4-bit weights", "2 prompts per step do not split over 3 processes"):
         assert part in text
     assert check_processes(config, 1) == "none"  # one process: nothing to refuse

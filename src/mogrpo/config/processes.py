@@ -41,10 +41,6 @@ def check_processes(config: RunConfig, nproc: int) -> str:
     except ConfigError as err:
         problems.append(str(err))
         strategy = None
-    if strategy == "fsdp" and config.distributed.mixed_precision == "bf16" and config.lora.enabled:
-        # FSDP2 then hands back a bfloat16 gradient for a float32 adapter shard in the update
-        problems.append("distributed.mixed_precision: bf16 with LoRA is not supported yet; set "
-                        "it to none, or train LoRA with distributed.strategy: ddp")
     if strategy == "fsdp" and config.model.load_in_4bit:
         problems.append("distributed.strategy: fsdp cannot shard 4-bit weights "
                         "(model.load_in_4bit); use distributed.strategy: ddp")

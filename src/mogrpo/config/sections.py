@@ -447,8 +447,8 @@ class DistributedConfig(Section):
     (one process only); `auto` = `ddp` when there is more than one process."""
     mixed_precision: Literal["none", "bf16"] = "none"
     """`fsdp` only: `bf16` computes with bfloat16 parameters and reduces gradients in float32
-    (the shards and the optimizer stay in the model's dtype); `none` computes in that dtype.
-    Not with LoRA yet (refused before the run starts)."""
+    (the shards and the optimizer stay in the model's dtype, LoRA adapters included); `none`
+    computes in that dtype."""
     reshard_after_forward: bool = True
     """`fsdp` only: free the gathered parameters after each layer's forward (less memory, one
     more all-gather in backward); false keeps them until the backward (faster, more memory)."""

@@ -122,9 +122,7 @@ def _shard(run: RunConfig, nproc: int) -> Rung:
     options: list[dict[str, Any]] = []
     if nproc > 1 and run.distributed.strategy != "fsdp":
         options.append({"distributed.strategy": "fsdp"})
-    # (the trainer refuses bf16 mixed precision with LoRA for now: config.processes)
-    mixed = run.model.dtype == "float32" and run.distributed.mixed_precision == "none" \
-        and not run.lora.enabled
+    mixed = run.model.dtype == "float32" and run.distributed.mixed_precision == "none"
     if nproc > 1 and mixed:
         # fp32 shards, bf16 compute: halves what is gathered and the activations
         options.append({"distributed.strategy": "fsdp", "distributed.mixed_precision": "bf16"})

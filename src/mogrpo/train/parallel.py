@@ -236,6 +236,11 @@ def shard(model: nn.Module, config: DistributedConfig, dist: Dist,
         module.set_force_sum_reduction_for_comms(True)
     set_model_state_dict(root, full, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    # FSDP2 settles each unit's gradient dtypes (reduce in float32, hand back float32) from the
+    # parameters that require grad at its first forward. Under LoRA that forward can be the
+    # reference's, with peft's adapters switched off and their requires_grad False: the
+    # adapters' gradients would then come back in bfloat16. Settle them now, as trained.
+    root._get_fsdp_state()._lazy_init()
     return sharded
 
 
