@@ -22,7 +22,8 @@ def run_seed(seed: int, work: Path) -> dict:
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "mogrpo.cli", "demo", "--seed", str(seed), "--out", str(work),
-         "--set", "logging.progress_bar=false"],
+         "--set", "logging.progress_bar=false",
+         "--set", "output.overwrite=true"],  # a rerun replaces the last one's runs
         check=True, stdout=subprocess.DEVNULL,
     )
     seconds = time.perf_counter() - start
