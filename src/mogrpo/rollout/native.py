@@ -84,6 +84,7 @@ class _Attention:
 
 
 Linear = tuple[Tensor, "Tensor | None"]  # (weight [out, in], bias [out] or None)
+Norm = tuple[Tensor, float]  # an RMSNorm's (weight [hidden], eps)
 
 
 @dataclass
@@ -96,7 +97,7 @@ class _Plain:
     gate_up: Linear  # [2 I, hidden]
     down: Linear
     act: Callable[[Tensor], Tensor]
-    norms: tuple[Tensor, float, Tensor, float] | None = None  # RMSNorm weights and eps
+    norms: tuple[Norm, Norm] | None = None  # the two RMSNorms' (weight, eps), when fused
 
 
 class NativeDecoder:
@@ -221,10 +222,10 @@ class NativeDecoder:
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
                 continue
             p = self.plain[i]
-            norms = p.norms or (None, 0.0, None, 0.0)
-            h = _norm(layer.input_layernorm, norms[:2], x)
+            first, second = p.norms or (None, None)
+            h = _norm(layer.input_layernorm, first, x)
             x = x + self._attend(i, h, cos, sin, start, mask)
-            h = _norm(layer.post_attention_layernorm, norms[2:], x)
+            h = _norm(layer.post_attention_layernorm, second, x)
             gate, up = linear(h, *p.gate_up).chunk(2, dim=-1)
             x = x + linear(p.act(gate) * up, *p.down)
         self.length = start + T
@@ -291,7 +292,7 @@ def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: fl
     return out.reshape(B, H, 1, D)
 
 
-def _rms_norm_of(module: nn.Module) -> tuple[Tensor, float] | None:
+def _rms_norm_of(module: nn.Module) -> Norm | None:
     """(weight, eps) of the RMSNorm every supported family but Gemma uses — weight times x over
     its root mean square, computed in float32 — for `F.rms_norm`, the same arithmetic in one
     operation; None for any other norm (its own forward runs)."""
@@ -303,9 +304,9 @@ def _rms_norm_of(module: nn.Module) -> tuple[Tensor, float] | None:
     return weight.detach(), float(eps)
 
 
-def _norm(module: nn.Module, fused: tuple | None, x: Tensor) -> Tensor:
+def _norm(module: nn.Module, fused: Norm | None, x: Tensor) -> Tensor:
     """`module(x)` — through `F.rms_norm` where `_rms_norm_of` found its weights."""
-    if fused is None or fused[0] is None or x.dtype != torch.float32:
+    if fused is None or x.dtype != torch.float32:
         return module(x)
     weight, eps = fused
     return F.rms_norm(x, weight.shape, weight, eps)
@@ -394,7 +395,7 @@ def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
         packed = [(pack(w), b) for w, b in (qkv, out, gate_up, down)]
         first, second = (_rms_norm_of(layer.input_layernorm),
                          _rms_norm_of(layer.post_attention_layernorm))
-        norms = (*first, *second) if first and second else None
+        norms = (first, second) if first and second else None
         plain.append(_Plain(*packed, act=act, norms=norms))
     return plain
 

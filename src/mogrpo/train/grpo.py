@@ -234,7 +234,8 @@ class GRPOTrainer:
         beta = torch.zeros(ro.batch_size)
         task_ids = torch.tensor([t for t, _ in batch.picks for _ in range(K)])
         metrics: dict[str, float] = {}
-        # batch scaling divides by a std over the task's groups of every process
+        # batch scaling divides by a std over the task's groups of every process: each
+        # process joins that gather, also without groups of the task
         shared = algo.advantage_scaling == "batch" and self.dist.world_size > 1
         for t, task in enumerate(self.ctx.tasks):
             groups = [g for g, (pt, _) in enumerate(batch.picks) if pt == t]
@@ -244,9 +245,7 @@ class GRPOTrainer:
                 torch.empty(0, K, len(task.reward_labels))  # [n, K, J]
             weights = task.reward_weights(self.step)
             adv = all_process_advantages(grouped, weights, combine=algo.advantage_combine,
-                                         scale=algo.advantage_scaling, dist=self.dist) \
-                if shared else group_advantages(grouped, weights, combine=algo.advantage_combine,
-                                                scale=algo.advantage_scaling)  # [n, K]
+                                         scale=algo.advantage_scaling, dist=self.dist)  # [n, K]
             if not groups:
                 continue
             rows = torch.tensor([g * K + k for g in groups for k in range(K)])
@@ -674,8 +673,11 @@ def _slice(ro: Rollout, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def all_process_advantages(grouped: torch.Tensor, weights: torch.Tensor | Sequence[float], *,
                            combine: str, scale: str, dist: Dist) -> torch.Tensor:
-    """`group_advantages` of this process's groups [n, K, J] computed over every process's
-    groups of the task (all-gathered), so a batch-wide std is that of the global batch."""
+    """`group_advantages` of this process's groups [n, K, J]; with a batch-wide std and several
+    processes, computed over every process's groups of the task (all-gathered), so the std is
+    that of the global batch."""
+    if scale != "batch" or dist.world_size == 1:  # group-local: nothing to share
+        return group_advantages(grouped, weights, combine=combine, scale=scale)
     K, J = grouped.shape[1:]
     parts = dist.gather(grouped.cpu().tolist())  # every process's [n_r, K, J] rows
     everyone = torch.tensor([row for part in parts for row in part],
