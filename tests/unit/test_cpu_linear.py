@@ -105,3 +105,31 @@ def test_the_availability_check_leaves_the_rng_alone():
     state = torch.get_rng_state()
     assert cpu_linear.available()
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_backward_hands_onednn_plain_strides(monkeypatch):
+    # The last position's logit: a one-position slice of [B, T, H], whose weight gradient
+    # oneDNN computed ~250x slower than on a copy. Every 2-D operand must reach it contiguous
+    # or as the transpose of a contiguous tensor, and the gradients still equal F.linear's.
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 13, 32, requires_grad=True)
+    w = torch.randn(24, 32, requires_grad=True)
+    F.linear(hidden[:, -1:, :], w).square().sum().backward()
+    expected = (hidden.grad, w.grad)
+    hidden.grad = w.grad = None
+
+    original = torch.ops.mkldnn._linear_pointwise
+    operands = []
+
+    def record(a, b, *rest):
+        operands.extend(t for t in (a, b) if t.dim() == 2)
+        return original(a, b, *rest)
+
+    with onednn_linears(torch.nn.Linear(32, 24)):
+        out = F.linear(hidden[:, -1:, :], w)
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
+        out.square().sum().backward()
+    torch.testing.assert_close(hidden.grad, expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, expected[1], atol=1e-5, rtol=1e-5)
+    assert len(operands) >= 3  # the input gradient's weight, the weight gradient's two
+    assert all(t.is_contiguous() or t.t().is_contiguous() for t in operands)
