@@ -96,6 +96,100 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
                for m in wrapper_chain(model))
 
 
+# Model types whose Hugging Face forward continues from a cache of prompt keys and values with
+# gradients flowing through it, giving the one-pass forward's log-probs and gradients (checked
+# family by family: tests/unit/test_shared_prompts.py). Others always take the one-pass forward.
+SHARED_PROMPT_TYPES = frozenset({"falcon", "gemma", "gemma2", "gpt2", "gpt_neox", "llama", "mistral",
+                                 "phi3", "qwen2", "qwen3"})  # not OPT: its positions ignore the cache
+
+
+def _positions(attention_mask: Tensor) -> Tensor:
+    """``cumsum(attention_mask) - 1``: the positions generate() gave the tokens of left-padded
+    rows, so padding does not shift rotary or learned positions."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def shares_prompts(model: nn.Module) -> bool:
+    """Whether `model`'s forward can run each distinct prompt once (`_completion_logits`): a
+    Hugging Face causal LM of a `SHARED_PROMPT_TYPES` family, not recomputing activations in
+    the backward (gradient checkpointing), not wrapped by DDP or FSDP2 (whose hooks expect one
+    forward per backward)."""
+    chain = list(wrapper_chain(model))
+    lm = chain[-1]
+    config = getattr(lm, "config", None)
+    if getattr(config, "model_type", None) not in SHARED_PROMPT_TYPES \
+            or not _accepts_logits_to_keep(model):
+        return False
+    if any(getattr(child, "gradient_checkpointing", False) is True for child in lm.children()):
+        return False
+    return not any(_is_distributed_wrapper(m) for m in chain)
+
+
+def _is_distributed_wrapper(module: nn.Module) -> bool:
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(distinct rows [U, 2P] of ids then mask, the distinct row of each row [B]), or None when
+    every row is different (nothing to share)."""
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [B, 2P]
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    return None if len(distinct) == len(rows) else (distinct, inverse)
+
+
+def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                       completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+    """Logits [B, C, V] at the positions that predict each completion token.
+
+    The K completions of a group share their prompt, so where the model allows it
+    (`shares_prompts`) each distinct prompt runs once: its keys and values, computed with
+    gradients, are copied to the rows that hold it, and the completions run on top of them.
+    The same attention over the same keys (to float rounding), with a K-th of the prompts'
+    arithmetic in the forward and the backward; the gradient through the copies adds up the K
+    completions' shares, as the one-pass forward does. LoRA dropout on prompt positions then
+    draws one mask per prompt rather than one per completion.
+    """
+    B, P = prompt_ids.shape
+    C = completion_ids.shape[1]
+    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
+    groups = _distinct_prompts(prompt_ids, prompt_mask) if shares_prompts(model) else None
+    with onednn_linears(model):  # CPU float32: the linears on oneDNN, forward and backward
+        if groups is None:
+            kwargs = {}
+            if _accepts_logits_to_keep(model):
+                # Only positions P-1 .. P+C-1 are projected onto the vocabulary.
+                kwargs["logits_to_keep"] = C + 1
+            logits = model(
+                input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                attention_mask=attention_mask,
+                position_ids=_positions(attention_mask),
+                use_cache=False,
+                **kwargs,
+            ).logits
+            # The logit at position t predicts token t+1: keep P-1 .. P+C-2.
+            return logits[:, -(C + 1) : -1, :]
+        distinct, inverse = groups
+        mask = distinct[:, P:]
+        prompts = model(input_ids=distinct[:, :P], attention_mask=mask,
+                        position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+        first = prompts.logits[inverse]  # [B, 1, V]: predicts completion token 0
+        if C == 1:
+            return first
+        cache = prompts.past_key_values
+        cache.reorder_cache(inverse)  # row b gets its prompt's keys and values
+        attention_mask = attention_mask[:, : P + C - 1]
+        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
+                     position_ids=_positions(attention_mask)[:, P:], past_key_values=cache,
+                     use_cache=True).logits  # [B, C-1, V]: predict tokens 1 .. C-1
+    return torch.cat([first, rest], dim=1)
+
+
 def completion_logprobs(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -110,7 +204,8 @@ def completion_logprobs(
 
     prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C]
     right-padded. Position ids are ``cumsum(attention_mask) - 1`` -- the positions HF
-    ``generate`` gave the tokens -- so padding does not shift rotary/learned positions.
+    ``generate`` gave the tokens -- so padding does not shift rotary/learned positions. Rows
+    sharing a prompt run it once where the model allows (`_completion_logits`).
 
     Returns ``(logp, entropy)``, both [B, C] float32; ``entropy`` is None unless
     ``with_entropy``. Positions where ``completion_mask == 0`` are set to 0. ``logp`` carries
@@ -118,26 +213,8 @@ def completion_logprobs(
     and keeping its [C, V] softmax for backward would double activation memory; call
     :func:`token_entropy` directly for an entropy bonus).
     """
-    C = completion_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+C]
-    attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+C]
-
-    kwargs = {}
-    if _accepts_logits_to_keep(model):
-        # Only positions P-1 .. P+C-1 are projected onto the vocabulary.
-        kwargs["logits_to_keep"] = C + 1
-    with onednn_linears(model):  # CPU float32: the linears on oneDNN, forward and backward
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **kwargs,
-        ).logits
-    # The logit at position t predicts token t+1: keep P-1 .. P+C-2 for completion tokens.
-    logits = logits[:, -(C + 1) : -1, :]  # [B, C, V]
-
+    logits = _completion_logits(model, prompt_ids, prompt_mask, completion_ids,
+                                completion_mask)  # [B, C, V]
     keep = completion_mask.bool()  # [B, C]
     logp = token_logprobs(logits, completion_ids, temperature).masked_fill(~keep, 0.0)
     entropy = None

@@ -1,0 +1,180 @@
+"""Each distinct prompt runs once in the training forward: the same log-probs and gradients as
+one pass over every row, on every family that takes this path, and the one pass elsewhere."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import mogrpo.algo.logprobs as logprobs
+from mogrpo.algo.logprobs import SHARED_PROMPT_TYPES, completion_logprobs, shares_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: architectures
+from architectures import FAMILIES, family_config  # noqa: E402
+
+V = 300
+IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _model(family: str, **changes) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "qwen3":  # not among the architecture matrix's families
+        config = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, head_dim=8, **IDS)
+    else:
+        config = family_config(family, vocab_size=V, **changes)
+    model = AutoModelForCausalLM.from_config(config).float()
+    for module in model.modules():  # dropout off, as mogrpo loads models (disable_dropout)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def _batch(K: int = 3):
+    """3 prompts (lengths 5, 3, 7, left-padded to 7) x K completions of lengths 1..6 (C = 6)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    P, C, B = 7, 6, 3 * K
+    prompt_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts]).repeat_interleave(K, 0)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    lengths = torch.randint(1, C + 1, (B,), generator=g)
+    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(3, V, (B, C), generator=g) * completion_mask
+    return prompt_ids, prompt_mask.repeat_interleave(K, 0), completion_ids, completion_mask
+
+
+def _logprobs_and_grads(model, batch, monkeypatch, *, shared: bool):
+    with monkeypatch.context() as m:
+        if not shared:
+            m.setattr(logprobs, "shares_prompts", lambda model: False)
+        logp, _ = completion_logprobs(model, *batch, temperature=0.8)
+    logp.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), grads
+
+
+def _forward_rows(model, batch, monkeypatch) -> list[tuple[int, int]]:
+    """(rows, tokens) of each forward the model's embedding saw."""
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        _logprobs_and_grads(model, batch, monkeypatch, shared=True)
+    finally:
+        handle.remove()
+    return seen
+
+
+CASES = [(f, {}) for f in FAMILIES] + [("qwen3", {}), ("gemma2", {"sliding_window": 4}),
+                                       ("mistral", {"sliding_window": 4})]
+
+
+@pytest.mark.parametrize(("family", "changes"), CASES,
+                         ids=[f + ("-window4" if c else "") for f, c in CASES])
+def test_each_prompt_runs_once_with_the_one_pass_values(family, changes, monkeypatch):
+    model = _model(family, **changes)
+    batch = _batch()
+    model_type = model.config.model_type
+    if model_type not in SHARED_PROMPT_TYPES:
+        assert not shares_prompts(model)
+        assert _forward_rows(model, batch, monkeypatch) == [(9, 7 + 6)]  # one pass, every row
+        return
+    assert shares_prompts(model)
+    # one forward over the 3 distinct prompts, one over the 9 completions (their last token
+    # predicts nothing)
+    assert _forward_rows(model, batch, monkeypatch) == [(3, 7), (9, 5)]
+    shared, shared_grads = _logprobs_and_grads(model, batch, monkeypatch, shared=True)
+    plain, plain_grads = _logprobs_and_grads(model, batch, monkeypatch, shared=False)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    assert len(shared_grads) == len(plain_grads) == len(list(model.parameters()))
+    for a, b in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_opt_is_left_out_because_the_cache_path_gives_other_values(monkeypatch):
+    # the negative control: forcing OPT onto the cache path changes its log-probs, which is
+    # why it is not in SHARED_PROMPT_TYPES (and shows the comparison above can fail)
+    model = _model("opt")
+    batch = _batch()
+    monkeypatch.setattr(logprobs, "SHARED_PROMPT_TYPES", SHARED_PROMPT_TYPES | {"opt"})
+    shared, _ = _logprobs_and_grads(model, batch, monkeypatch, shared=True)
+    plain, _ = _logprobs_and_grads(model, batch, monkeypatch, shared=False)
+    assert (shared - plain).abs().max() > 1e-2
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # raised inside peft on transformers 5
+def test_lora_adapters_get_the_one_pass_gradients(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules="all-linear",
+                                                      init_lora_weights=False))
+    assert shares_prompts(model)
+    batch = _batch(K=4)
+    shared, shared_grads = _logprobs_and_grads(model, batch, monkeypatch, shared=True)
+    plain, plain_grads = _logprobs_and_grads(model, batch, monkeypatch, shared=False)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    assert len(shared_grads) == 2 * 7 * 2  # A and B of 7 linears in 2 layers: adapters only
+    for a, b in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_distinct_prompts_and_single_tokens(monkeypatch):
+    model = _model("qwen2")
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(K=1)  # all different
+    assert _forward_rows(model, (prompt_ids, prompt_mask, completion_ids, completion_mask),
+                         monkeypatch) == [(3, 13)]
+    # one completion token: the prompts' forward alone predicts it
+    batch = _batch(K=2)
+    one = (batch[0], batch[1], batch[2][:, :1], torch.ones_like(batch[3][:, :1]))
+    assert _forward_rows(model, one, monkeypatch) == [(3, 7)]
+    shared, _ = _logprobs_and_grads(model, one, monkeypatch, shared=True)
+    plain, _ = _logprobs_and_grads(model, one, monkeypatch, shared=False)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames the method
+def test_gradient_checkpointing_keeps_the_one_pass():
+    # checkpointing recomputes each layer in the backward and turns the cache off
+    model = _model("llama")
+    assert shares_prompts(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not shares_prompts(model)
+
+
+WRAPPED = """
+import sys, time, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+sys.path.insert(0, sys.argv[2])
+from architectures import family_config
+from mogrpo.algo.logprobs import shares_prompts
+from mogrpo.train.distributed import DRAIN_S
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=300))
+sharded = AutoModelForCausalLM.from_config(family_config("qwen2", vocab_size=300))
+for layer in sharded.model.layers:
+    fully_shard(layer)
+fully_shard(sharded)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+print(shares_prompts(model), shares_prompts(ddp), shares_prompts(sharded))
+dist.barrier()
+dist.destroy_process_group()
+time.sleep(DRAIN_S)  # gloo's threads finish before the interpreter shuts down
+"""
+
+
+def test_ddp_and_fsdp2_keep_the_one_pass(tmp_path):
+    # their hooks expect one forward per backward (a one-process gloo group, in a process of
+    # its own, left as train/distributed.process_group leaves one)
+    from multiproc import run
+
+    tests = str(Path(__file__).resolve().parents[1])
+    done = run(["-c", WRAPPED, str(tmp_path / "store"), tests])
+    assert done.stdout.split() == ["True", "False", "False"]
