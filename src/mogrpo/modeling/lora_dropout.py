@@ -4,7 +4,7 @@ peft applies `nn.Dropout(lora.dropout)` to the input of every adapter. On a CPU,
 the mask one Mersenne-Twister number per element (~4.4 ns each on the benchmark machine) and then
 makes two more passes over it; with p = 0.05 on a 0.7 M-parameter model that is ~12 ms of a 36 ms
 LoRA forward and backward. `FastDropout` draws the same Bernoulli(1 - p) mask from NumPy's PCG64
-generator (~1.4 ns per element, 32 random bits each: the keep probability is exact to 2^-32,
+generator (~1 ns per element, 32 random bits each: the keep probability is exact to 2^-32,
 finer than PyTorch's own float draw) and scales it in one pass.
 
 The PCG64 stream of each call is seeded by one draw from PyTorch's default generator, so a run's
@@ -36,8 +36,10 @@ def keep_mask(shape: torch.Size, p: float) -> Tensor:
     if p >= 1.0:
         return torch.zeros(shape)
     seed = int(torch.randint(_SEED_BOUND, (), dtype=torch.int64))  # PyTorch's default generator
-    bits = np.random.Generator(np.random.PCG64(seed)).integers(
-        0, 2**32, size=int(np.prod(shape, dtype=np.int64)), dtype=np.uint32)
+    n = int(np.prod(shape, dtype=np.int64))
+    # PCG64's raw 64-bit outputs, each two 32-bit numbers (the generator's own stream, without
+    # the range reduction of `integers`, which costs ~60 % more here)
+    bits = np.random.PCG64(seed).random_raw((n + 1) // 2).view(np.uint32)[:n]
     threshold = np.uint32(min(round(p * 2**32), 2**32 - 1))  # P(bits < threshold) = p
     kept = (bits >= threshold).astype(np.float32)
     np.multiply(kept, np.float32(1.0 / (1.0 - p)), out=kept)
