@@ -18,7 +18,7 @@ from mogrpo.rollout.generate import (
     build_generation_config,
     generate_rollout,
 )
-from mogrpo.rollout.native import NativeDecoder
+from mogrpo.rollout.native import NativeDecoder, native_decode
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
 from mogrpo.rollout.sampling import SamplingRules, draw
 
@@ -253,3 +253,19 @@ def test_rows_of_one_prompt_are_prefilled_once(tok):
     step = torch.arange(12) % 7 + 5
     with torch.no_grad():
         torch.testing.assert_close(shared.step(step), every.step(step), atol=1e-5, rtol=0)
+
+
+def test_completions_feed_a_training_backward(tok):
+    # the decode loop runs in inference mode; what it returns must be ordinary tensors, or
+    # the training forward fails ("Inference tensors cannot be saved for backward")
+    model = family_model("qwen2", tok)
+    ro = rollout(model, tok, "native", k=2, max_new_tokens=6)
+    out = native_decode(model, ro.prompt_ids, ro.prompt_mask, SamplingSettings(max_new_tokens=4),
+                        stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                        record_logprobs=True)
+    assert not out.tokens.is_inference() and not out.logp.is_inference()
+    model.train()
+    logp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                  ro.completion_mask)
+    (logp * ro.sampler_logp).sum().backward()
+    assert model.get_input_embeddings().weight.grad.abs().sum() > 0
