@@ -73,6 +73,19 @@ def test_guard_is_noop_on_finite_logits_and_accumulates():
     assert guard.replaced == 2
 
 
+def test_guard_sees_finite_logits_whose_sum_overflows_as_finite():
+    # the common path checks the sum: huge finite values overflow it, and must still pass
+    guard = NonFiniteGuard()
+    scores = torch.tensor([[F32.max, F32.max, 0.0], [1.0, 2.0, 3.0]])
+    assert not torch.isfinite(scores.sum())
+    assert guard(torch.zeros(2, 1, dtype=torch.long), scores) is scores
+    assert guard.replaced == 0 and guard.rows_reset == 0
+    # and a -inf (a masked token) is kept as it is
+    masked = torch.tensor([[0.5, -math.inf, 2.0]])
+    assert torch.equal(guard(torch.zeros(1, 1, dtype=torch.long), masked), masked)
+    assert guard.replaced == 0
+
+
 def test_guard_leaves_headroom_for_low_temperature():
     # generate() divides by the temperature after custom processors; max/0.5 must stay finite.
     out = NonFiniteGuard(temperature=0.5)(

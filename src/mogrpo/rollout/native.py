@@ -285,10 +285,13 @@ def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: fl
     additive bias [B, 1, 1, S]. On CPUs, SDPA's flash kernel pads the single query to a block
     and costs several times these three small operations."""
     B, H, _, D = q.shape
-    kv_heads = keys.shape[1]
-    q = q.reshape(B, kv_heads, H // kv_heads, D)  # the query heads of each key head together
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + bias  # [B, H_kv, G, S]
-    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, H_kv, G, D]
+    kv_heads, S = keys.shape[1], keys.shape[2]
+    G = H // kv_heads
+    q = q.reshape(B * kv_heads, G, D)  # the query heads of each key head together
+    bias = bias.expand(B, kv_heads, G, S).reshape(B * kv_heads, G, S)
+    # bias + scale * q k^T in one operation (the same products, then the same scale and sum)
+    scores = torch.baddbmm(bias, q, keys.reshape(B * kv_heads, S, D).transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * kv_heads, S, D))
     return out.reshape(B, H, 1, D)
 
 
@@ -445,9 +448,13 @@ def _decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, settings,
     stops = torch.tensor(stop_ids, device=device)
     live = torch.arange(B, device=device)  # original row of each cache row
     steps = 0
+    single_stop = stops[0] if len(stop_ids) == 1 else None
     for t in range(N):
         chosen = rules.choose(rules(logits))  # [b]
-        tokens[live, t] = chosen
+        if len(live) == B:  # no row has finished yet: a plain column write
+            tokens[:, t] = chosen
+        else:
+            tokens[live, t] = chosen
         if logp is not None:
             logp[live, t] = torch.log_softmax(logits / temperature, dim=-1).gather(
                 1, chosen[:, None]).squeeze(1)
@@ -455,7 +462,7 @@ def _decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, settings,
         if t == N - 1:
             break
         rules.observe(chosen)
-        done = torch.isin(chosen, stops)
+        done = chosen == single_stop if single_stop is not None else torch.isin(chosen, stops)
         if bool(done.any()):  # a host sync, needed anyway to shrink the batch
             rows = (~done).nonzero().squeeze(1)
             if rows.numel() == 0:
