@@ -155,6 +155,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, sys.argv[2])
 from architectures import family_config
 from mogrpo.algo.logprobs import shares_prompts
+from mogrpo.rollout.native import score_logits
 from mogrpo.train.distributed import DRAIN_S
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=300))
@@ -164,17 +165,77 @@ for layer in sharded.model.layers:
 fully_shard(sharded)
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 print(shares_prompts(model), shares_prompts(ddp), shares_prompts(sharded))
+ids, mask = torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.ones(2, 3, dtype=torch.long)
+with torch.no_grad():  # the scoring forward reads weights directly: not FSDP2's shards
+    print(score_logits(model, ids, mask, ids, mask) is not None,
+          score_logits(sharded, ids, mask, ids, mask) is None)
 dist.barrier()
 dist.destroy_process_group()
 time.sleep(DRAIN_S)  # gloo's threads finish before the interpreter shuts down
 """
 
 
-def test_ddp_and_fsdp2_keep_the_one_pass(tmp_path):
+def test_ddp_and_fsdp2_keep_the_one_pass_and_fsdp2_its_own_forward(tmp_path):
     # their hooks expect one forward per backward (a one-process gloo group, in a process of
     # its own, left as train/distributed.process_group leaves one)
     from multiproc import run
 
     tests = str(Path(__file__).resolve().parents[1])
     done = run(["-c", WRAPPED, str(tmp_path / "store"), tests])
-    assert done.stdout.split() == ["True", "False", "False"]
+    assert done.stdout.split() == ["True", "False", "False", "True", "True"]
+
+
+# mogrpo's own forward for passes without gradients (rollout/native.score_logits)
+SCORED = {"llama", "llama_tied", "qwen2", "mistral", "phi3"}
+
+
+@pytest.mark.parametrize(("family", "changes"), CASES,
+                         ids=[f + ("-window4" if c else "") for f, c in CASES])
+def test_scoring_forward_gives_the_models_log_probs_bit_for_bit(family, changes):
+    from mogrpo.rollout.native import score_logits
+
+    model = _model(family, **changes).eval()
+    batch = _batch()
+    with torch.no_grad():
+        expected, _ = completion_logprobs(model, *batch, temperature=0.8)
+        scored = score_logits(model, *batch)
+        got, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_logits)
+    if family not in SCORED or changes:  # other layouts; a window shorter than the rows
+        assert scored is None
+    else:  # bit for bit: KL is exactly 0 while the policy equals its reference
+        assert scored is not None and scored.shape == (9, 6, V)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # raised inside peft on transformers 5
+def test_scoring_forward_reads_base_weights_only_with_adapters_off():
+    from peft import LoraConfig, get_peft_model
+
+    from mogrpo.rollout.native import score_logits
+
+    model = get_peft_model(_model("qwen2"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules="all-linear",
+                                                      init_lora_weights=False)).eval()
+    batch = _batch(K=2)
+    with torch.no_grad():
+        assert score_logits(model, *batch) is None  # active adapters: the model's forward
+        with model.disable_adapter():  # the KL reference under LoRA
+            expected, _ = completion_logprobs(model, *batch)
+            got, _ = completion_logprobs(model, *batch, forward=score_logits)
+            assert score_logits(model, *batch) is not None
+        adapted, _ = completion_logprobs(model, *batch)
+    assert torch.equal(got, expected)
+    assert (adapted - expected).abs().max() > 1e-3  # the adapters do change the log-probs
+
+
+def test_scoring_forward_needs_no_gradients_and_handles_one_token():
+    from mogrpo.rollout.native import score_logits
+
+    model = _model("llama").eval()
+    batch = _batch()
+    assert score_logits(model, *batch) is None  # gradients on: the model's forward
+    one = (batch[0], batch[1], batch[2][:, :1], torch.ones_like(batch[3][:, :1]))
+    with torch.no_grad():
+        expected, _ = completion_logprobs(model, *one)
+        got, _ = completion_logprobs(model, *one, forward=score_logits)
+    assert torch.equal(got, expected)

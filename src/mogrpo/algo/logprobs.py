@@ -8,7 +8,7 @@ computes ratios against the sampling policy).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -122,17 +122,18 @@ def shares_prompts(model: nn.Module) -> bool:
         return False
     if any(getattr(child, "gradient_checkpointing", False) is True for child in lm.children()):
         return False
-    return not any(_is_distributed_wrapper(m) for m in chain)
+    ddp = any(isinstance(m, nn.parallel.DistributedDataParallel) for m in chain)
+    return not ddp and not sharded(model)
 
 
-def _is_distributed_wrapper(module: nn.Module) -> bool:
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        return True
+def sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards `model` (its forward must run through FSDP's hooks, which gather
+    each unit's parameters)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a build without torch.distributed
         return False
-    return isinstance(module, FSDPModule)
+    return any(isinstance(m, FSDPModule) for m in wrapper_chain(model))
 
 
 def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -199,6 +200,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    forward: Callable[..., Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
@@ -212,9 +214,15 @@ def completion_logprobs(
     gradients; ``entropy`` is computed without them (it is a monitoring signal, as in TRL,
     and keeping its [C, V] softmax for backward would double activation memory; call
     :func:`token_entropy` directly for an entropy bonus).
+
+    ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)`` may compute
+    the [B, C, V] logits instead (mogrpo's own forward for passes without gradients,
+    `mogrpo.rollout.native.score_logits`); where it returns None the model's forward runs.
     """
-    logits = _completion_logits(model, prompt_ids, prompt_mask, completion_ids,
-                                completion_mask)  # [B, C, V]
+    args = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits = forward(model, *args) if forward is not None else None
+    if logits is None:
+        logits = _completion_logits(model, *args)  # [B, C, V]
     keep = completion_mask.bool()  # [B, C]
     logp = token_logprobs(logits, completion_ids, temperature).masked_fill(~keep, 0.0)
     entropy = None

@@ -18,6 +18,11 @@ It covers the decoder families whose layers share the Llama layout (pre-norm, ro
 grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3.
 `unsupported_reason()` says why any other model cannot run here; the caller falls back to
 `generate()`.
+
+`score_logits()` is the same structure run over whole completions for the passes that need no
+gradient (the KL reference, rollout-time log-probs): each distinct prompt once, the model's own
+linear products, and the log-probs equal the model's forward bit for bit where it applies
+(RMSNorm models without per-head q/k norms: Llama, Mistral, Qwen2, Phi-3).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import linear, pack
-from mogrpo.algo.logprobs import wrapper_chain
+from mogrpo.algo.logprobs import sharded, wrapper_chain
 from mogrpo.rollout.sampling import SamplingRules
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
@@ -107,20 +112,8 @@ class NativeDecoder:
         lm = unwrap_causal_lm(model)
         self.backbone = lm.model
         self.head = lm.get_output_embeddings()
-        config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         self.layers = list(self.backbone.layers)
-        self.attention = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            head_dim = getattr(attn, "head_dim", config.hidden_size // config.num_attention_heads)
-            self.attention.append(_Attention(
-                module=attn,
-                heads=config.num_attention_heads,
-                kv_heads=config.num_key_value_heads,
-                head_dim=head_dim,
-                scaling=getattr(attn, "scaling", head_dim**-0.5),
-                rotary=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
-            ))
+        self.attention = _attention_of(lm)
         self.plain = plain_projections(self.layers)  # None: call the modules
         self.rotate_halves = self.plain is not None and _rotate_halves_possible(
             self.layers, self.attention, self.backbone)
@@ -278,6 +271,24 @@ class NativeDecoder:
         if self.plain is None:
             return attn.o_proj(out)
         return linear(out, *self.plain[i].out)
+
+
+def _attention_of(lm: nn.Module) -> list[_Attention]:
+    """Each decoder layer's attention module and shapes."""
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    found = []
+    for layer in lm.model.layers:
+        attn = layer.self_attn
+        head_dim = getattr(attn, "head_dim", config.hidden_size // config.num_attention_heads)
+        found.append(_Attention(
+            module=attn,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            scaling=getattr(attn, "scaling", head_dim**-0.5),
+            rotary=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
+        ))
+    return found
 
 
 def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float) -> Tensor:
@@ -473,3 +484,165 @@ def _decode(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, settings,
         logits = decoder.step(chosen)
     return Decoded(tokens[:, :steps], rules.guard.replaced,
                    logp[:, :steps] if logp is not None else None, rules.guard.rows_reset)
+
+
+def _scoring_linear(module: nn.Module) -> Linear | None:
+    """(weight, bias) a projection computes with for `score_logits`: an nn.Linear's, or a peft
+    LoRA layer's base weights while its adapters are switched off (the KL reference under
+    LoRA); None for anything else (active adapters, quantised layers), whose model then takes
+    the Hugging Face forward."""
+    if type(module) is nn.Linear:
+        return module.weight, module.bias
+    if hasattr(module, "lora_A") and getattr(module, "disable_adapters", False) \
+            and not getattr(module, "merged", True):
+        base = module.get_base_layer()
+        if type(base) is nn.Linear:
+            return base.weight, base.bias
+    return None
+
+
+@dataclass
+class _ScoringLayer:
+    """One layer's weights as `score_logits` uses them (unfused: the model's own products)."""
+
+    attention: _Attention
+    qkv: list[Linear]  # [q, k, v], or [qkv] for Phi-3's fused projection
+    out: Linear
+    gate_up: list[Linear]  # [gate, up], or [gate_up] (Phi-3)
+    down: Linear
+    act: Callable[[Tensor], Tensor]
+    norms: tuple[Norm, Norm]
+
+
+def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
+    """Every layer's weights for `score_logits`, or None when a layer does not fit: a norm
+    other than float32 RMSNorm, a per-head q/k norm, rotary tables not in rotate-half form, or
+    a projection `_scoring_linear` cannot read."""
+    layers, attention = list(lm.model.layers), _attention_of(lm)
+    if not _rotate_halves_possible(layers, attention, lm.model):
+        return None
+    found = []
+    for layer, a in zip(layers, attention, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        names = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+        up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3
+        first, second = (_rms_norm_of(layer.input_layernorm),
+                         _rms_norm_of(layer.post_attention_layernorm))
+        if act is None or first is None or second is None \
+                or not all(hasattr(mlp, n) for n in (*up, "down_proj")):
+            return None
+        qkv = [_scoring_linear(getattr(attn, n)) for n in names]
+        gate_up = [_scoring_linear(getattr(mlp, n)) for n in up]
+        out, down = _scoring_linear(attn.o_proj), _scoring_linear(mlp.down_proj)
+        if any(p is None for p in (*qkv, *gate_up, out, down)):
+            return None
+        found.append(_ScoringLayer(a, qkv, out, gate_up, down, act, (first, second)))
+    return found
+
+
+def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                 completion_ids: Tensor, completion_mask: Tensor) -> Tensor | None:
+    """Logits [B, C, V] predicting each completion token in a pass without gradients (the KL
+    reference, rollout-time log-probs), or None where the model needs its own forward.
+
+    The Hugging Face forward's products in fewer operations: each distinct prompt once, its
+    keys and values reused by the rows that hold it; RMSNorm as `F.rms_norm`; q and k turned
+    with rotate_half's products and sums in four operations each; masks built once; each
+    projection through the same linear kernel as the model's. Prompts are left-padded,
+    completions right-padded (as `completion_logprobs` takes them)."""
+    if torch.is_grad_enabled() or sharded(model):  # FSDP2: its hooks gather the weights
+        return None
+    lm = unwrap_causal_lm(model)
+    B, P = prompt_ids.shape
+    C = completion_ids.shape[1]
+    if unsupported_reason(model, P + C) is not None:
+        return None
+    head, final = lm.get_output_embeddings(), _rms_norm_of(lm.model.norm)
+    if type(head) is not nn.Linear or final is None:
+        return None
+    layers = _scoring_layers(lm)
+    if layers is None:
+        return None
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [B, 2P]
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]
+    ids, valid = distinct[:, :P], distinct[:, P:].bool()  # [U, P]
+    mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)[:, : P + C - 1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+C-1], as generate()
+    # causal over real prompt tokens, a pad query seeing itself only (no row all masked)
+    causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+    prompt_attn = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool,
+                                                                  device=ids.device)[None]
+    # a completion query sees its prompt's real tokens and the completion up to itself
+    T = C - 1
+    later = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+    completion_attn = torch.cat([valid[inverse][:, None, :].expand(B, T, P),
+                                 later[None].expand(B, T, T)], dim=-1)  # [B, T, P+T]
+    stages = [(lm.model.embed_tokens(ids), (valid.long().cumsum(-1) - 1).clamp(min=0),
+               prompt_attn[:, None])]
+    if T > 0:
+        stages.append((lm.model.embed_tokens(completion_ids[:, :-1]), positions[:, P:],
+                       completion_attn[:, None]))
+    tables = [_half_tables(lm.model, pos, layers[0].attention.head_dim, x.dtype)
+              for x, pos, _ in stages]
+    xs = [x for x, _, _ in stages]
+    for layer in layers:
+        prompt_kv = None
+        for s, (_, _, attn_mask) in enumerate(stages):
+            x = xs[s]
+            q, k, v = _scoring_qkv(layer, _norm(None, layer.norms[0], x), *tables[s])
+            if s == 0:
+                prompt_kv = (k, v)
+            else:  # each row's prompt keys and values first, then its own
+                k = torch.cat([prompt_kv[0][inverse], k], dim=2)
+                v = torch.cat([prompt_kv[1][inverse], v], dim=2)
+            a = layer.attention
+            if a.heads != a.kv_heads and not _SDPA_GQA:
+                k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
+                v = v.repeat_interleave(a.heads // a.kv_heads, dim=1)
+            kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=a.scaling,
+                                                 **kwargs)  # [N, H, L, D]
+            N, _, L, _ = out.shape
+            x = x + linear(out.transpose(1, 2).reshape(N, L, -1), *layer.out)
+            h = _norm(None, layer.norms[1], x)
+            if len(layer.gate_up) == 1:
+                gate, up = linear(h, *layer.gate_up[0]).chunk(2, dim=-1)
+            else:
+                gate, up = (linear(h, *w) for w in layer.gate_up)
+            xs[s] = x + linear(layer.act(gate) * up, *layer.down)
+    weight, eps = final
+    logits = [linear(F.rms_norm(xs[0][:, -1:], weight.shape, weight, eps), head.weight,
+                     head.bias)[inverse]]  # [B, 1, V]: predicts completion token 0
+    if T > 0:
+        logits.append(linear(F.rms_norm(xs[1], weight.shape, weight, eps), head.weight,
+                             head.bias))  # [B, T, V]
+    return torch.cat(logits, dim=1)
+
+
+def _half_tables(backbone: nn.Module, positions: Tensor, head_dim: int,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos (c; c) and sin (-s; s) per half of each head [N, L, 1, 2, D/2] at `positions`."""
+    probe = torch.zeros(1, dtype=dtype, device=positions.device)
+    cos, sin = backbone.rotary_emb(probe, positions)  # [N, L, D]
+    half = head_dim // 2
+    c, s = cos[..., :half], sin[..., :half]
+    return torch.stack([c, c], dim=-2)[:, :, None], torch.stack([-s, s], dim=-2)[:, :, None]
+
+
+def _scoring_qkv(layer: _ScoringLayer, h: Tensor, cos: Tensor, sin: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k (turned) and v of h [N, L, hidden], each [N, heads, L, D]."""
+    a = layer.attention
+    if len(layer.qkv) == 1:  # Phi-3
+        q, k, v = linear(h, *layer.qkv[0]).split(
+            [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
+    else:
+        q, k, v = (linear(h, *w) for w in layer.qkv)
+
+    def turned(x: Tensor, heads: int) -> Tensor:  # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+        halves = x.unflatten(-1, (heads, 2, a.head_dim // 2))
+        return (halves * cos + halves.flip(-2) * sin).flatten(-2).transpose(1, 2)
+
+    v = v.unflatten(-1, (a.kv_heads, a.head_dim)).transpose(1, 2)
+    return turned(q, a.heads), turned(k, a.kv_heads), v

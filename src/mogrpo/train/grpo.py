@@ -32,6 +32,7 @@ from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
+from mogrpo.rollout.native import score_logits
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -273,12 +274,14 @@ class GRPOTrainer:
             args = _slice(batch.rollout, rows if keep else _first_row(micro_batches[0]))
             width = args[2].shape[1]
             if need_old:
-                logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature)[0]
+                logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
+                                           forward=score_logits)[0]
                 if keep:
                     old[rows, :width] = logp
             if need_ref:
                 with self.reference.model() as ref_model:
-                    logp = completion_logprobs(ref_model, *args, temperature=temperature)[0]
+                    logp = completion_logprobs(ref_model, *args, temperature=temperature,
+                                               forward=score_logits)[0]
                 if keep:
                     ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
