@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -84,3 +85,13 @@ def test_lora_adapters_get_fast_dropout(rate):
     else:  # peft uses nn.Identity: nothing to replace
         assert all(type(d) is nn.Identity for d in dropouts)
         assert use_fast_dropout(model) == 0
+
+
+def test_sparse_draw_continues_the_gaps_past_a_shortfall():
+    from mogrpo.modeling.lora_dropout import _dropped
+
+    class EveryEntry:  # gaps of 1: far fewer gaps than entries, so the draw must continue
+        def geometric(self, p, size):
+            return np.ones(size, dtype=np.int64)
+
+    assert np.array_equal(_dropped(EveryEntry(), 1000, 0.01), np.arange(1000))
