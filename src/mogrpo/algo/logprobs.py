@@ -103,7 +103,7 @@ SHARED_PROMPT_TYPES = frozenset({"falcon", "gemma", "gemma2", "gpt2", "gpt_neox"
                                  "phi3", "qwen2", "qwen3"})  # not OPT: its positions ignore the cache
 
 
-def _positions(attention_mask: Tensor) -> Tensor:
+def token_positions(attention_mask: Tensor) -> Tensor:
     """``cumsum(attention_mask) - 1``: the positions generate() gave the tokens of left-padded
     rows, so padding does not shift rotary or learned positions."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -136,7 +136,7 @@ def sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in wrapper_chain(model))
 
 
-def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
     """(distinct rows [U, 2P] of ids then mask, the distinct row of each row [B]), or None when
     every row is different (nothing to share)."""
     rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [B, 2P]
@@ -145,11 +145,12 @@ def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, 
 
 
 def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
-                       completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+                       completion_ids: Tensor, completion_mask: Tensor,
+                       groups: tuple[Tensor, Tensor] | None) -> Tensor:
     """Logits [B, C, V] at the positions that predict each completion token.
 
-    The K completions of a group share their prompt, so where the model allows it
-    (`shares_prompts`) each distinct prompt runs once: its keys and values, computed with
+    The K completions of a group share their prompt, so given the `distinct_prompts` groups
+    each distinct prompt runs once: its keys and values, computed with
     gradients, are copied to the rows that hold it, and the completions run on top of them.
     The same attention over the same keys (to float rounding), with a K-th of the prompts'
     arithmetic in the forward and the backward; the gradient through the copies adds up the K
@@ -159,7 +160,6 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
-    groups = _distinct_prompts(prompt_ids, prompt_mask) if shares_prompts(model) else None
     with onednn_linears(model):  # CPU float32: the linears on oneDNN, forward and backward
         if groups is None:
             kwargs = {}
@@ -169,7 +169,7 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
             logits = model(
                 input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
                 attention_mask=attention_mask,
-                position_ids=_positions(attention_mask),
+                position_ids=token_positions(attention_mask),
                 use_cache=False,
                 **kwargs,
             ).logits
@@ -178,7 +178,7 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
         distinct, inverse = groups
         mask = distinct[:, P:]
         prompts = model(input_ids=distinct[:, :P], attention_mask=mask,
-                        position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+                        position_ids=token_positions(mask), use_cache=True, logits_to_keep=1)
         first = prompts.logits[inverse]  # [B, 1, V]: predicts completion token 0
         if C == 1:
             return first
@@ -186,7 +186,7 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
         cache.reorder_cache(inverse)  # row b gets its prompt's keys and values
         attention_mask = attention_mask[:, : P + C - 1]
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                     position_ids=_positions(attention_mask)[:, P:], past_key_values=cache,
+                     position_ids=token_positions(attention_mask)[:, P:], past_key_values=cache,
                      use_cache=True).logits  # [B, C-1, V]: predict tokens 1 .. C-1
     return torch.cat([first, rest], dim=1)
 
@@ -201,13 +201,17 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     forward: Callable[..., Tensor | None] | None = None,
+    share_prompts: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
     prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C]
     right-padded. Position ids are ``cumsum(attention_mask) - 1`` -- the positions HF
     ``generate`` gave the tokens -- so padding does not shift rotary/learned positions. Rows
-    sharing a prompt run it once where the model allows (`_completion_logits`).
+    sharing a prompt run it once (`_completion_logits`) where `share_prompts` says so — by
+    default where the model allows it (`shares_prompts`); a pass whose log-probs are compared
+    with another model's (the reference with the policy) takes the other's choice, so both run
+    the same arithmetic.
 
     Returns ``(logp, entropy)``, both [B, C] float32; ``entropy`` is None unless
     ``with_entropy``. Positions where ``completion_mask == 0`` are set to 0. ``logp`` carries
@@ -215,14 +219,17 @@ def completion_logprobs(
     and keeping its [C, V] softmax for backward would double activation memory; call
     :func:`token_entropy` directly for an entropy bonus).
 
-    ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)`` may compute
-    the [B, C, V] logits instead (mogrpo's own forward for passes without gradients,
-    `mogrpo.rollout.native.score_logits`); where it returns None the model's forward runs.
+    ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups)`` may
+    compute the [B, C, V] logits of rows that share prompts instead (mogrpo's own forward for
+    passes without gradients, `mogrpo.rollout.native.score_logits`); where it returns None the
+    model's forward runs.
     """
     args = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    logits = forward(model, *args) if forward is not None else None
+    share = shares_prompts(model) if share_prompts is None else share_prompts
+    groups = distinct_prompts(prompt_ids, prompt_mask) if share else None
+    logits = forward(model, *args, groups) if forward and groups is not None else None
     if logits is None:
-        logits = _completion_logits(model, *args)  # [B, C, V]
+        logits = _completion_logits(model, *args, groups)  # [B, C, V]
     keep = completion_mask.bool()  # [B, C]
     logp = token_logprobs(logits, completion_ids, temperature).masked_fill(~keep, 0.0)
     entropy = None

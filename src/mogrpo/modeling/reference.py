@@ -42,7 +42,8 @@ class Reference:
             raise ValueError(f"unknown reference kind {kind!r}")
         self._module = module
         self.kind = kind
-        self._modules: list[nn.Module] | None = None
+        self._modules: list[nn.Module] | None = None  # found at the first reference pass
+        self._switches: list[nn.Module] = []  # its adapter layers (peft's `_disable_adapters`)
         self.settle: Callable[[], None] | None = None
         """Called before the adapters are switched off and on again (FSDP2: reshard, so the
         switch sets `requires_grad` on the sharded parameters, not on gathered copies)."""
@@ -58,6 +59,7 @@ class Reference:
         # per-module flags are restored so the caller's training state is untouched.
         if self._modules is None:  # the module tree is fixed once the run has built it
             self._modules = list(self._module.modules())
+            self._switches = [m for m in self._modules if hasattr(m, "_disable_adapters")]
         flags = [m.training for m in self._modules]
         for m in self._modules:
             m.training = False
@@ -78,7 +80,7 @@ class Reference:
         same and also recomputes the model's adapter status and `requires_grad` flags: ~2 ms a
         call on a 0.7 M-parameter model, for each micro-batch. Where a layer's switch does not
         read back as off (another peft), peft's own context runs instead."""
-        layers = [m for m in self._modules if hasattr(m, "_disable_adapters")]
+        layers = self._switches
         before = [layer._disable_adapters for layer in layers]
         for layer in layers:
             layer._disable_adapters = True

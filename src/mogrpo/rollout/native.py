@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import linear, pack
-from mogrpo.algo.logprobs import sharded, wrapper_chain
+from mogrpo.algo.logprobs import distinct_prompts, sharded, token_positions, wrapper_chain
 from mogrpo.rollout.sampling import SamplingRules
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
@@ -134,10 +134,10 @@ class NativeDecoder:
         values and first logits are the same, so each distinct row is computed and copied to
         every row that holds it (a K-th of the prefill's arithmetic)."""
         P = prompt_ids.shape[1]
-        rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [B, 2P]
-        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]
-        if len(distinct) == len(rows):
+        groups = distinct_prompts(prompt_ids, prompt_mask)
+        if groups is None:
             return self._prefill(prompt_ids, prompt_mask, max_new_tokens)
+        distinct, inverse = groups  # [U, 2P], [B]
         logits = self._prefill(distinct[:, :P], distinct[:, P:], max_new_tokens)  # [U, V]
         self.keep(inverse)
         return logits[inverse]
@@ -150,11 +150,8 @@ class NativeDecoder:
         # Rotary tables for every position once: the rows are looked up per token afterwards.
         cos, sin = self.backbone.rotary_emb(x, torch.arange(total, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [T_max, D]
-        if self.rotate_halves:  # each head's halves (x1, x2) turn by cos (c; c), sin (-s; s)
-            half = self.cos.shape[-1] // 2
-            c, s = self.cos[:, :half], self.sin[:, :half]
-            self.half_cos = torch.stack([c, c], dim=-2)  # [T_max, 2, D/2]
-            self.half_sin = torch.stack([-s, s], dim=-2)
+        if self.rotate_halves:
+            self.half_cos, self.half_sin = _halves(self.cos, self.sin)  # [T_max, 2, D/2]
         first = self.attention[0]
         shape = (B, first.kv_heads, total, first.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -165,7 +162,7 @@ class NativeDecoder:
         self.valid[:, :P] = prompt_mask.bool()
         self.bias = torch.zeros(B, total, dtype=dtype, device=device).masked_fill_(
             ~self.valid, float("-inf"))
-        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P], as generate()
+        positions = token_positions(prompt_mask.long())  # [B, P], as generate()
         self.positions = positions[:, -1] + 1
         # Causal over real tokens; a pad query sees itself only, so no row is all masked.
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
@@ -233,10 +230,7 @@ class NativeDecoder:
         if self.rotate_halves:  # q and k turned together; cos, sin per half (see prefill)
             qkv = linear(h, *self.plain[i].qkv)  # [B, T, (H + 2 H_kv) D]
             heads = a.heads + a.kv_heads
-            halves = qkv[..., :heads * a.head_dim].unflatten(-1, (heads, 2, a.head_dim // 2))
-            # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s): rotate_half's products and sums, so the
-            # result equals the modules' to the last bit, in four operations for q and k
-            qk = (halves * cos + halves.flip(-2) * sin).flatten(-2)  # [B, T, H + H_kv, D]
+            qk = _turn(qkv[..., :heads * a.head_dim], heads, cos, sin)  # [B, T, H + H_kv, D]
             q, k = qk[:, :, :a.heads].transpose(1, 2), qk[:, :, a.heads:].transpose(1, 2)
             v = qkv[..., heads * a.head_dim:].unflatten(-1, (a.kv_heads, a.head_dim))
             v = v.transpose(1, 2)
@@ -260,13 +254,7 @@ class NativeDecoder:
         if T == 1 and mask.is_floating_point():
             out = _attend_one(q, keys, values, mask, a.scaling)
         else:
-            if a.heads != a.kv_heads and not _SDPA_GQA:
-                groups = a.heads // a.kv_heads
-                keys = keys.repeat_interleave(groups, dim=1)
-                values = values.repeat_interleave(groups, dim=1)
-            kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 scale=a.scaling, **kwargs)  # [B, H, T, D]
+            out = _sdpa(q, keys, values, mask, a)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(B, T, a.heads * a.head_dim)
         if self.plain is None:
             return attn.o_proj(out)
@@ -306,6 +294,32 @@ def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: fl
     return out.reshape(B, H, 1, D)
 
 
+def _sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, a: _Attention) -> Tensor:
+    """SDPA of q [N, H, L, D] over keys/values [N, H_kv, S, D] under a boolean mask."""
+    if a.heads != a.kv_heads and not _SDPA_GQA:
+        keys = keys.repeat_interleave(a.heads // a.kv_heads, dim=1)
+        values = values.repeat_interleave(a.heads // a.kv_heads, dim=1)
+    kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
+                                          **kwargs)
+
+
+def _halves(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary tables [..., D] as the turn of each head's halves (x1, x2): cos (c; c) and
+    sin (-s; s), [..., 2, D/2]."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    return torch.stack([c, c], dim=-2), torch.stack([-s, s], dim=-2)
+
+
+def _turn(x: Tensor, heads: int, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [N, L, heads * D] rotated per head [N, L, heads, D] by `_halves` tables: (x1, x2) ->
+    (x1 c - x2 s, x2 c + x1 s), rotate_half's products and sums, so the result equals the
+    modules' to the last bit, in four operations."""
+    halves = x.unflatten(-1, (heads, 2, x.shape[-1] // heads // 2))
+    return (halves * cos + halves.flip(-2) * sin).flatten(-2)
+
+
 def _rms_norm_of(module: nn.Module) -> Norm | None:
     """(weight, eps) of the RMSNorm every supported family but Gemma uses — weight times x over
     its root mean square, computed in float32 — for `F.rms_norm`, the same arithmetic in one
@@ -322,7 +336,11 @@ def _norm(module: nn.Module, fused: Norm | None, x: Tensor) -> Tensor:
     """`module(x)` — through `F.rms_norm` where `_rms_norm_of` found its weights."""
     if fused is None or x.dtype != torch.float32:
         return module(x)
-    weight, eps = fused
+    return _rms(x, fused)
+
+
+def _rms(x: Tensor, norm: Norm) -> Tensor:
+    weight, eps = norm
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -382,6 +400,18 @@ def _fuse(parts: list[Linear | None]) -> Linear | None:
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
 
 
+def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Callable] | None:
+    """(attention projection names, gate/up names, activation) of a layer — q/k/v or Phi-3's
+    fused qkv, gate/up or its gate_up — or None when its MLP has another layout."""
+    attn, mlp = layer.self_attn, layer.mlp
+    names = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3
+    if act is None or not all(hasattr(mlp, n) for n in (*up, "down_proj")):
+        return None
+    return names, up, act
+
+
 def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
     copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per
@@ -396,11 +426,10 @@ def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
     plain = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        names = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
-        up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
-        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3
-        if act is None or not all(hasattr(mlp, n) for n in (*up, "down_proj")):
+        parts = _projections(layer)
+        if parts is None:
             return None
+        names, up, act = parts
         qkv = _fuse([_plain_linear(getattr(attn, n)) for n in names])
         gate_up = _fuse([_plain_linear(getattr(mlp, n)) for n in up])
         out, down = _plain_linear(attn.o_proj), _plain_linear(mlp.down_proj)
@@ -524,14 +553,12 @@ def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
     found = []
     for layer, a in zip(layers, attention, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        names = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
-        up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
-        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3
+        parts = _projections(layer)
         first, second = (_rms_norm_of(layer.input_layernorm),
                          _rms_norm_of(layer.post_attention_layernorm))
-        if act is None or first is None or second is None \
-                or not all(hasattr(mlp, n) for n in (*up, "down_proj")):
+        if parts is None or first is None or second is None:
             return None
+        names, up, act = parts
         qkv = [_scoring_linear(getattr(attn, n)) for n in names]
         gate_up = [_scoring_linear(getattr(mlp, n)) for n in up]
         out, down = _scoring_linear(attn.o_proj), _scoring_linear(mlp.down_proj)
@@ -542,12 +569,14 @@ def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
 
 
 def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
-                 completion_ids: Tensor, completion_mask: Tensor) -> Tensor | None:
+                 completion_ids: Tensor, completion_mask: Tensor,
+                 groups: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
     """Logits [B, C, V] predicting each completion token in a pass without gradients (the KL
     reference, rollout-time log-probs), or None where the model needs its own forward.
 
-    The Hugging Face forward's products in fewer operations: each distinct prompt once, its
-    keys and values reused by the rows that hold it; RMSNorm as `F.rms_norm`; q and k turned
+    The Hugging Face forward of rows sharing prompts (`groups` from `distinct_prompts`, found
+    here when not given; None when every row has its own prompt) in fewer operations: each
+    distinct prompt once, its keys and values reused by the rows that hold it; RMSNorm as `F.rms_norm`; q and k turned
     with rotate_half's products and sums in four operations each; masks built once; each
     projection through the same linear kernel as the model's. Prompts are left-padded,
     completions right-padded (as `completion_logprobs` takes them)."""
@@ -564,11 +593,13 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
     layers = _scoring_layers(lm)
     if layers is None:
         return None
-    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [B, 2P]
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2P], [B]
+    if groups is None:
+        groups = distinct_prompts(prompt_ids, prompt_mask)
+    if groups is None:  # every row its own prompt: the model's one pass, as in training
+        return None
+    distinct, inverse = groups  # [U, 2P], [B]
     ids, valid = distinct[:, :P], distinct[:, P:].bool()  # [U, P]
     mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)[:, : P + C - 1]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+C-1], as generate()
     # causal over real prompt tokens, a pad query seeing itself only (no row all masked)
     causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
     prompt_attn = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool,
@@ -578,56 +609,44 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
     later = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
     completion_attn = torch.cat([valid[inverse][:, None, :].expand(B, T, P),
                                  later[None].expand(B, T, T)], dim=-1)  # [B, T, P+T]
-    stages = [(lm.model.embed_tokens(ids), (valid.long().cumsum(-1) - 1).clamp(min=0),
-               prompt_attn[:, None])]
+    stages = [(lm.model.embed_tokens(ids), token_positions(valid.long()), prompt_attn[:, None])]
     if T > 0:
-        stages.append((lm.model.embed_tokens(completion_ids[:, :-1]), positions[:, P:],
-                       completion_attn[:, None]))
-    tables = [_half_tables(lm.model, pos, layers[0].attention.head_dim, x.dtype)
-              for x, pos, _ in stages]
+        stages.append((lm.model.embed_tokens(completion_ids[:, :-1]),
+                       token_positions(mask)[:, P:], completion_attn[:, None]))
+    tables = [_half_tables(lm.model, pos, x.dtype) for x, pos, _ in stages]
     xs = [x for x, _, _ in stages]
     for layer in layers:
         prompt_kv = None
         for s, (_, _, attn_mask) in enumerate(stages):
             x = xs[s]
-            q, k, v = _scoring_qkv(layer, _norm(None, layer.norms[0], x), *tables[s])
+            q, k, v = _scoring_qkv(layer, _rms(x, layer.norms[0]), *tables[s])
             if s == 0:
                 prompt_kv = (k, v)
             else:  # each row's prompt keys and values first, then its own
                 k = torch.cat([prompt_kv[0][inverse], k], dim=2)
                 v = torch.cat([prompt_kv[1][inverse], v], dim=2)
-            a = layer.attention
-            if a.heads != a.kv_heads and not _SDPA_GQA:
-                k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
-                v = v.repeat_interleave(a.heads // a.kv_heads, dim=1)
-            kwargs = {"enable_gqa": True} if a.heads != a.kv_heads and _SDPA_GQA else {}
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=a.scaling,
-                                                 **kwargs)  # [N, H, L, D]
+            out = _sdpa(q, k, v, attn_mask, layer.attention)  # [N, H, L, D]
             N, _, L, _ = out.shape
             x = x + linear(out.transpose(1, 2).reshape(N, L, -1), *layer.out)
-            h = _norm(None, layer.norms[1], x)
+            h = _rms(x, layer.norms[1])
             if len(layer.gate_up) == 1:
                 gate, up = linear(h, *layer.gate_up[0]).chunk(2, dim=-1)
             else:
                 gate, up = (linear(h, *w) for w in layer.gate_up)
             xs[s] = x + linear(layer.act(gate) * up, *layer.down)
-    weight, eps = final
-    logits = [linear(F.rms_norm(xs[0][:, -1:], weight.shape, weight, eps), head.weight,
-                     head.bias)[inverse]]  # [B, 1, V]: predicts completion token 0
+    # [B, 1, V] predicting completion token 0, then [B, T, V]
+    logits = [linear(_rms(xs[0][:, -1:], final), head.weight, head.bias)[inverse]]
     if T > 0:
-        logits.append(linear(F.rms_norm(xs[1], weight.shape, weight, eps), head.weight,
-                             head.bias))  # [B, T, V]
+        logits.append(linear(_rms(xs[1], final), head.weight, head.bias))
     return torch.cat(logits, dim=1)
 
 
-def _half_tables(backbone: nn.Module, positions: Tensor, head_dim: int,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos (c; c) and sin (-s; s) per half of each head [N, L, 1, 2, D/2] at `positions`."""
+def _half_tables(backbone: nn.Module, positions: Tensor, dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor]:
+    """`_halves` tables at `positions` [N, L], shaped [N, L, 1, 2, D/2] for `_turn`."""
     probe = torch.zeros(1, dtype=dtype, device=positions.device)
-    cos, sin = backbone.rotary_emb(probe, positions)  # [N, L, D]
-    half = head_dim // 2
-    c, s = cos[..., :half], sin[..., :half]
-    return torch.stack([c, c], dim=-2)[:, :, None], torch.stack([-s, s], dim=-2)[:, :, None]
+    cos, sin = _halves(*backbone.rotary_emb(probe, positions))  # [N, L, 2, D/2]
+    return cos[:, :, None], sin[:, :, None]
 
 
 def _scoring_qkv(layer: _ScoringLayer, h: Tensor, cos: Tensor, sin: Tensor
@@ -639,10 +658,6 @@ def _scoring_qkv(layer: _ScoringLayer, h: Tensor, cos: Tensor, sin: Tensor
             [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
     else:
         q, k, v = (linear(h, *w) for w in layer.qkv)
-
-    def turned(x: Tensor, heads: int) -> Tensor:  # (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
-        halves = x.unflatten(-1, (heads, 2, a.head_dim // 2))
-        return (halves * cos + halves.flip(-2) * sin).flatten(-2).transpose(1, 2)
-
-    v = v.unflatten(-1, (a.kv_heads, a.head_dim)).transpose(1, 2)
-    return turned(q, a.heads), turned(k, a.kv_heads), v
+    q = _turn(q, a.heads, cos, sin).transpose(1, 2)
+    k = _turn(k, a.kv_heads, cos, sin).transpose(1, 2)
+    return q, k, v.unflatten(-1, (a.kv_heads, a.head_dim)).transpose(1, 2)

@@ -21,7 +21,7 @@ from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
 from mogrpo.algo.importance import truncated_importance_weights
 from mogrpo.algo.kl import sequence_kl
 from mogrpo.algo.kl_control import make_controller
-from mogrpo.algo.logprobs import completion_logprobs
+from mogrpo.algo.logprobs import completion_logprobs, shares_prompts
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.algo.surrogates import LossVariant, mask_truncated, resolve_aggregation
 from mogrpo.config import RunConfig
@@ -267,6 +267,9 @@ class GRPOTrainer:
         old = torch.zeros(ids.shape, device=ids.device) if need_old else None
         ref = torch.zeros(ids.shape, device=ids.device) if need_ref else None
         micro_batches = self._micro_batches(batch.rollout)
+        # the update's choice (its policy may be DDP-wrapped): the same rows then take the same
+        # arithmetic here, and KL and ratios are exact while the policy equals them
+        share = shares_prompts(self.parallel.module)
         for rows in self.parallel.pad(micro_batches):
             # None: another process has more rows; FSDP2's forwards are collective, so this
             # one runs a row of its own alongside and keeps nothing
@@ -275,13 +278,13 @@ class GRPOTrainer:
             width = args[2].shape[1]
             if need_old:
                 logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
-                                           forward=score_logits)[0]
+                                           forward=score_logits, share_prompts=share)[0]
                 if keep:
                     old[rows, :width] = logp
             if need_ref:
                 with self.reference.model() as ref_model:
                     logp = completion_logprobs(ref_model, *args, temperature=temperature,
-                                               forward=score_logits)[0]
+                                               forward=score_logits, share_prompts=share)[0]
                 if keep:
                     ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
