@@ -197,11 +197,12 @@ def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
     assert main(["train", str(config)]) == 0
     run = tmp_path / "run"
 
-    # Allowed: more steps and another log interval — listed, and the run continues.
-    assert main(["train", str(config), "--resume", "auto",
-                 "--set", "train.max_steps=3", "--set", "logging.log_every=5"]) == 0
+    # Allowed: more steps, another log interval, malloc's defaults — listed, the run continues.
+    assert main(["train", str(config), "--resume", "auto", "--set", "train.max_steps=3",
+                 "--set", "logging.log_every=5", "--set", "train.host_memory=release"]) == 0
     err = capsys.readouterr().err
     assert "config change on resume (allowed): train.max_steps: 2 -> 3" in err
+    assert '(allowed): train.host_memory: "auto" -> "release"' in err
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]
 
     # Refused: a sampling setting changes the math; the diff names the field.

@@ -21,6 +21,7 @@ from mogrpo.config import RunConfig, flatten, to_yaml
 
 ALLOWED_PREFIXES = (
     "train.max_steps",
+    "train.host_memory",
     "logging.",
     "eval.every_steps",
     "eval.print_samples",

@@ -368,6 +368,11 @@ class TrainConfig(Section):
     """Steps of linear learning-rate warm-up."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value."""
+    host_memory: Literal["auto", "keep", "release"] = "auto"
+    """What the C library's malloc does with the memory a step frees: "keep" holds it for the
+    next step (glibc on Linux: no fresh pages faulted in every step, ~8 % of a small model's
+    CPU step), "release" leaves its defaults, "auto" keeps on CPU runs. Never changes the math;
+    MALLOC_* environment settings win."""
 
 
 class SFTConfig(Section):

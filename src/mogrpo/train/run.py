@@ -36,6 +36,7 @@ from mogrpo.tracking.trackers import Trackers
 from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
 from mogrpo.train.distributed import Dist, process_group
 from mogrpo.train.grpo import GRPOTrainer
+from mogrpo.train.host_memory import apply_host_memory
 from mogrpo.train.parallel import ParallelPolicy, full_weights, parallelize
 from mogrpo.train.sft import run_sft
 from mogrpo.train.startup import startup_summary
@@ -166,6 +167,7 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
     sft_dir = main_dir / "sft" / "merged"
     base = sft_dir if loaded and loaded.state["sft_done"] else None
     ctx = build_context(config, tasks, base)
+    apply_host_memory(config.train.host_memory, ctx.device.type)
     summary_memory = _memory_estimate(ctx, config)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks],
                                "memory_estimate_gib": summary_memory}

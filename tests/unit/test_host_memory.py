@@ -1,0 +1,80 @@
+"""train.host_memory: glibc keeps the memory a step frees, so the next step faults no pages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mogrpo.train import host_memory
+
+GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+
+# A training step in miniature: two MLP blocks' forward and backward on [16, 44, 128] (the
+# activations saved for the backward are freed together at its end, as in a GRPO update).
+# The page faults of twenty such steps after two warm-ups.
+_STEPS = """
+import resource, sys, torch
+from mogrpo.train.host_memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory() is None
+torch.manual_seed(0)
+blocks = torch.nn.Sequential(*[torch.nn.Sequential(
+    torch.nn.Linear(128, 640), torch.nn.SiLU(), torch.nn.Linear(640, 128)) for _ in range(2)])
+x = torch.randn(16, 44, 128)
+def step():
+    blocks(x).square().sum().backward()
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("GLIBC_TUNABLES", None)
+    out = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True,
+                         env=env, check=True)
+    return int(out.stdout.strip())
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_kept_memory_serves_the_next_step_without_page_faults():
+    default, kept = _faults("default"), _faults("keep")
+    # glibc's defaults give part of the freed activations back after each step and fault
+    # them in again (250 to 800 pages a step here); kept, the heap serves every step from
+    # the pages it already has.
+    assert default > 4000
+    assert kept < default // 3
+
+
+def test_environment_settings_win(monkeypatch):
+    called = []
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda *a: called.append(a))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    expected = "malloc settings given in the environment" if sys.platform.startswith("linux") \
+        else "not Linux"
+    assert host_memory.keep_freed_memory() == expected
+    assert called == []
+
+
+@pytest.mark.parametrize(("setting", "device", "applied"), [
+    ("auto", "cpu", True), ("auto", "cuda", False), ("keep", "cuda", True),
+    ("release", "cpu", False),
+])
+def test_setting_decides_where_it_applies(monkeypatch, setting, device, applied):
+    calls = []
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: calls.append(1) or None)
+    host_memory.apply_host_memory(setting, device)
+    assert calls == ([1] if applied else [])
+
+
+def test_keep_that_cannot_apply_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: "not glibc")
+    with caplog.at_level("INFO", logger="mogrpo.train.host_memory"):
+        host_memory.apply_host_memory("keep", "cpu")
+    assert "train.host_memory = keep has no effect here: not glibc" in caplog.text
