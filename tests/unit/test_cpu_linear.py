@@ -36,18 +36,18 @@ def test_other_dtypes_fall_back_to_f_linear():
     assert pack(w) is w
 
 
-def test_mode_gives_f_linear_gradients():
+def test_context_gives_f_linear_gradients():
     torch.manual_seed(0)
     layer = torch.nn.Linear(32, 24)
     x = torch.randn(3, 5, 32, requires_grad=True)
     grads = []
-    for mode in (onednn_linears(layer), None):
+    for context in (onednn_linears(layer), None):
         layer.zero_grad()
         x.grad = None
-        if mode is None:
+        if context is None:
             y = layer(x)
         else:
-            with mode:
+            with context:
                 y = layer(x)
             assert y.grad_fn.name().endswith("_LinearBackward")  # the oneDNN function ran
         (y * torch.linspace(-1, 1, 24)).sum().backward()
@@ -56,7 +56,7 @@ def test_mode_gives_f_linear_gradients():
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_frozen_weight_gets_no_gradient_inside_the_mode():
+def test_frozen_weight_gets_no_gradient_inside_the_context():
     layer = torch.nn.Linear(8, 4).requires_grad_(False)
     x = torch.randn(2, 8, requires_grad=True)
     with onednn_linears(layer):
@@ -66,7 +66,7 @@ def test_frozen_weight_gets_no_gradient_inside_the_mode():
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, 8), atol=1e-6, rtol=1e-6)
 
 
-def test_model_forward_logprobs_and_gradients_match_without_the_mode(monkeypatch):
+def test_model_forward_logprobs_and_gradients_match_without_the_context(monkeypatch):
     from mogrpo.algo import logprobs as logprobs_module
 
     config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -113,8 +113,9 @@ def test_backward_hands_onednn_plain_strides(monkeypatch):
     # or as the transpose of a contiguous tensor, and the gradients still equal F.linear's.
     torch.manual_seed(0)
     hidden = torch.randn(4, 13, 32, requires_grad=True)
-    w = torch.randn(24, 32, requires_grad=True)
-    F.linear(hidden[:, -1:, :], w).square().sum().backward()
+    layer = torch.nn.Linear(32, 24, bias=False)
+    w = layer.weight
+    layer(hidden[:, -1:, :]).square().sum().backward()
     expected = (hidden.grad, w.grad)
     hidden.grad = w.grad = None
 
@@ -125,11 +126,30 @@ def test_backward_hands_onednn_plain_strides(monkeypatch):
         operands.extend(t for t in (a, b) if t.dim() == 2)
         return original(a, b, *rest)
 
-    with onednn_linears(torch.nn.Linear(32, 24)):
-        out = F.linear(hidden[:, -1:, :], w)
+    with onednn_linears(layer):
+        out = layer(hidden[:, -1:, :])
+        assert out.grad_fn.name().endswith("_LinearBackward")
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
         out.square().sum().backward()
     torch.testing.assert_close(hidden.grad, expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.grad, expected[1], atol=1e-5, rtol=1e-5)
     assert len(operands) >= 3  # the input gradient's weight, the weight gradient's two
     assert all(t.is_contiguous() or t.t().is_contiguous() for t in operands)
+
+
+def test_the_context_restores_the_layers_and_leaves_other_models_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    other = torch.nn.Linear(8, 8)
+    with onednn_linears(model):
+        assert [type(m).__name__ for m in model] == ["OneDNNLinear", "ReLU", "OneDNNLinear"]
+        assert type(other) is torch.nn.Linear
+        with onednn_linears(model):  # nested: the outer context restores
+            pass
+        assert type(model[0]) is cpu_linear.OneDNNLinear
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    with pytest.raises(RuntimeError, match="boom"), onednn_linears(model):
+        raise RuntimeError("boom")
+    assert type(model[0]) is torch.nn.Linear
+    double = torch.nn.Linear(8, 8).double()
+    with onednn_linears(double):  # not float32: left as it is
+        assert type(double) is torch.nn.Linear

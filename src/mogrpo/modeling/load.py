@@ -25,6 +25,7 @@ from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_ta
 from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
 from mogrpo.modeling.dropout import original_dropout_config
 from mogrpo.modeling.lora_dropout import use_fast_dropout
+from mogrpo.modeling.lora_linear import use_fused_lora
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ def apply_lora(
     model: PreTrainedModel, settings: LoraSettings, *, input_grads: bool = False
 ) -> PreTrainedModel:
     """Wrap `model` with fresh LoRA adapters (B = 0, so the output is unchanged at first);
-    their dropout is `FastDropout`."""
+    their dropout is `FastDropout`, their layers `FusedLoraLinear`."""
     from peft import LoraConfig, get_peft_model
 
     if settings.r < 1 or settings.alpha <= 0 or not 0 <= settings.dropout < 1:
@@ -272,6 +273,7 @@ def apply_lora(
         except ValueError as err:
             raise ConfigError(f"lora.target_modules = {settings.target_modules!r}: {err}") from err
     use_fast_dropout(model)  # the same dropout, its masks drawn faster on CPUs
+    use_fused_lora(model)  # the same layers, their forward and backward fused on CPUs
     return model
 
 

@@ -33,24 +33,30 @@ class FastDropout(nn.Dropout):
 
 
 def keep_mask(shape: torch.Size, p: float) -> Tensor:
-    """A float32 tensor of `shape`: 1 / (1 - p) with probability 1 - p, else 0, independently."""
+    """A float32 tensor of `shape`: 1 / (1 - p) with probability 1 - p, else 0, independently
+    (0 at `dropped_positions`, drawn from the same stream)."""
     if p >= 1.0:
         return torch.zeros(shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    kept = torch.full((n,), 1.0 / (1.0 - p))
+    kept[dropped_positions(n, p)] = 0.0
+    return kept.view(shape)
+
+
+def dropped_positions(n: int, p: float) -> Tensor:
+    """The flat positions below n that a dropout of rate p < 1 zeroes, ascending [~n p] int64:
+    each independently with probability p."""
     seed = int(torch.randint(_SEED_BOUND, (), dtype=torch.int64))  # PyTorch's default generator
     rng = np.random.PCG64(seed)
-    n = int(np.prod(shape, dtype=np.int64))
-    scale = np.float32(1.0 / (1.0 - p))
     if p <= SPARSE_BELOW:
-        kept = np.full(n, scale, dtype=np.float32)
-        kept[_dropped(np.random.Generator(rng), n, p)] = 0.0
+        dropped = _dropped(np.random.Generator(rng), n, p)
     else:
         # PCG64's raw 64-bit outputs, each two 32-bit numbers (the generator's own stream,
         # without the range reduction of `integers`, which costs ~60 % more here)
         bits = rng.random_raw((n + 1) // 2).view(np.uint32)[:n]
         threshold = np.uint32(min(round(p * 2**32), 2**32 - 1))  # P(bits < threshold) = p
-        kept = (bits >= threshold).astype(np.float32)
-        np.multiply(kept, scale, out=kept)
-    return torch.from_numpy(kept).view(shape)
+        dropped = np.flatnonzero(bits < threshold)
+    return torch.from_numpy(dropped.astype(np.int64, copy=False))
 
 
 # Up to this rate the dropped entries are drawn directly, as the gaps between them.
