@@ -246,8 +246,9 @@ def test_rows_of_one_prompt_are_prefilled_once(tok):
         want = every._prefill(ids, mask, max_new_tokens=4)  # all 12 rows
     hook.remove()
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
-    for got_k, want_k in zip(shared.keys, every.keys, strict=True):
-        torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=0)
+    P = ids.shape[1]  # the columns written so far (the rest are written before being read)
+    for got, want_kv in zip(shared.keys + shared.values, every.keys + every.values, strict=True):
+        torch.testing.assert_close(got[:, :, :P], want_kv[:, :, :P], atol=1e-5, rtol=0)
     assert torch.equal(shared.bias, every.bias) and torch.equal(shared.positions, every.positions)
     # and the next step continues from the copies alike
     step = torch.arange(12) % 7 + 5
@@ -269,3 +270,35 @@ def test_completions_feed_a_training_backward(tok):
                                   ro.completion_mask)
     (logp * ro.sampler_logp).sum().backward()
     assert model.get_input_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
+    """With each head's rows interleaved, one complex product per pair is the rotation of
+    rotate_half; the decoder reorders q and k alike, so attention scores do not change."""
+    from mogrpo.rollout.native import _Attention, _halves, _interleaved, _rotate_pairs, _turn
+
+    torch.manual_seed(0)
+    heads, kv_heads, D = 4, 2, 8
+    attention = _Attention(module=None, heads=heads, kv_heads=kv_heads, head_dim=D, scaling=1.0,
+                           rotary=None)
+    rows = (heads + 2 * kv_heads) * D
+    weight, bias = torch.randn(rows, 16), torch.randn(rows)
+    h = torch.randn(3, 5, 16)
+    angles = torch.rand(3, 5, D // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [3, 5, D]
+    plain = torch.nn.functional.linear(h, weight, bias)
+    half_cos, half_sin = _halves(cos, sin)
+    want = _turn(plain[..., :(heads + kv_heads) * D], heads + kv_heads,
+                 half_cos[:, :, None], half_sin[:, :, None])  # [3, 5, H + H_kv, D]
+    w2, b2 = _interleaved((weight, bias), attention)
+    pairs = torch.nn.functional.linear(h, w2, b2)
+    got = _rotate_pairs(pairs[..., :(heads + kv_heads) * D], heads + kv_heads,
+                        torch.complex(angles.cos(), angles.sin())[:, :, None])
+    order = torch.arange(D).view(2, D // 2).t().reshape(-1)  # the interleaved order of a head
+    torch.testing.assert_close(got, want[..., order], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pairs[..., (heads + kv_heads) * D:],
+                               plain[..., (heads + kv_heads) * D:])  # v as it was
+    q, k = got[..., :heads, :], got[..., heads:, :]
+    scores = torch.einsum("btgd,btkd->btgk", q, k)
+    torch.testing.assert_close(scores, torch.einsum("btgd,btkd->btgk", want[..., :heads, :],
+                                                    want[..., heads:, :]), atol=1e-4, rtol=1e-5)

@@ -49,13 +49,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
     logits [B, T, V], targets [B, T] int -> [B, T] float32 (float64 for float64 logits).
     Computed as ``gather(z) - logsumexp(z)``, so no full log-softmax copy is materialised.
     """
-    if logits.shape[0] == 0:
-        return logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
-    out = []
-    for rows, z in _scaled_chunks(logits, temperature):  # z [b, T, V]
-        picked = z.gather(-1, targets[rows].long().unsqueeze(-1)).squeeze(-1)  # [b, T]
-        out.append(picked - torch.logsumexp(z, dim=-1))
-    return torch.cat(out)  # [B, T]
+    return token_logprobs_and_entropy(logits, targets, temperature)[0]
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -66,12 +60,34 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """
     if logits.shape[0] == 0:
         return logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
-    out = []
-    for _, z in _scaled_chunks(logits, temperature):  # [b, T, V]
-        p = torch.softmax(z, dim=-1)
-        # p == 0 where z == -inf (masked vocabulary entries): 0 * -inf would give NaN.
-        out.append(torch.logsumexp(z, dim=-1) - (p * torch.where(p > 0, z, 0.0)).sum(-1))
-    return torch.cat(out)  # [B, T]
+    return torch.cat([_entropy(z, torch.logsumexp(z, dim=-1))
+                      for _, z in _scaled_chunks(logits, temperature)])  # [B, T]
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0,
+                               with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` and, when asked, `token_entropy` (without gradients) from one pass
+    over each chunk of logits: both start from the same logsumexp."""
+    if logits.shape[0] == 0:
+        empty = logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
+        return empty, empty.clone() if with_entropy else None
+    logp, entropy = [], []
+    for rows, z in _scaled_chunks(logits, temperature):  # z [b, T, V]
+        lse = torch.logsumexp(z, dim=-1)  # [b, T]
+        picked = z.gather(-1, targets[rows].long().unsqueeze(-1)).squeeze(-1)  # [b, T]
+        logp.append(picked - lse)
+        if with_entropy:
+            with torch.no_grad():
+                entropy.append(_entropy(z, lse))
+    return torch.cat(logp), torch.cat(entropy) if with_entropy else None
+
+
+def _entropy(z: Tensor, lse: Tensor) -> Tensor:
+    """logsumexp(z) - sum_v p_v z_v for z [b, T, V] and its logsumexp [b, T]. p is 0 where
+    z = -inf (masked vocabulary entries), and 0 * -inf is NaN: nansum leaves those terms out (a
+    NaN logit still makes the entropy NaN, through the logsumexp)."""
+    p = torch.softmax(z, dim=-1)
+    return lse - torch.nansum(p * z, dim=-1)
 
 
 def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
@@ -231,9 +247,6 @@ def completion_logprobs(
     if logits is None:
         logits = _completion_logits(model, *args, groups)  # [B, C, V]
     keep = completion_mask.bool()  # [B, C]
-    logp = token_logprobs(logits, completion_ids, temperature).masked_fill(~keep, 0.0)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits, temperature).masked_fill(~keep, 0.0)
-    return logp, entropy
+    logp, entropy = token_logprobs_and_entropy(logits, completion_ids, temperature, with_entropy)
+    return logp.masked_fill(~keep, 0.0), \
+        entropy.masked_fill(~keep, 0.0) if entropy is not None else None

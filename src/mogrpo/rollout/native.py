@@ -28,6 +28,7 @@ linear products, and the log-probs equal the model's forward bit for bit where i
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -113,12 +114,16 @@ class NativeDecoder:
         self.backbone = lm.model
         self.head = lm.get_output_embeddings()
         self.layers = list(self.backbone.layers)
-        self.attention = _attention_of(lm)
-        self.plain = plain_projections(self.layers)  # None: call the modules
-        self.rotate_halves = self.plain is not None and _rotate_halves_possible(
-            self.layers, self.attention, self.backbone)
+        self.attention, halves = _layout_of(lm)
+        # float32/64 weights: q and k rotated as complex pairs (their rows interleaved)
+        pairs = halves and next(lm.parameters()).dtype in (torch.float32, torch.float64)
+        # None: call the modules
+        self.plain = plain_projections(self.layers, self.attention if pairs else None)
+        self.rotate_halves = self.plain is not None and halves
+        self.pairs = self.rotate_halves and pairs
         self.final_norm = _rms_norm_of(self.backbone.norm)
         self.half_cos = self.half_sin = torch.empty(0)  # [T_max, 2, D/2]: see prefill
+        self.freqs = torch.empty(0)  # [T_max, D/2] complex cos + i sin: see prefill
         self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
         self.values: list[Tensor] = []
         self.valid = torch.empty(0)  # [B, T_max] bool: key positions a query may attend to
@@ -139,7 +144,12 @@ class NativeDecoder:
             return self._prefill(prompt_ids, prompt_mask, max_new_tokens)
         distinct, inverse = groups  # [U, 2P], [B]
         logits = self._prefill(distinct[:, :P], distinct[:, P:], max_new_tokens)  # [U, V]
-        self.keep(inverse)
+        # the rows' caches: only the prompt columns hold anything yet (each decode step writes
+        # its column before any query reads it), so only those are copied
+        self.keys = [_rows_of(k, inverse, P) for k in self.keys]
+        self.values = [_rows_of(v, inverse, P) for v in self.values]
+        self.valid, self.bias = self.valid[inverse], self.bias[inverse]
+        self.positions = self.positions[inverse]
         return logits[inverse]
 
     def _prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
@@ -150,12 +160,16 @@ class NativeDecoder:
         # Rotary tables for every position once: the rows are looked up per token afterwards.
         cos, sin = self.backbone.rotary_emb(x, torch.arange(total, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [T_max, D]
-        if self.rotate_halves:
+        if self.pairs:
+            half = self.cos.shape[-1] // 2
+            self.freqs = torch.complex(self.cos[:, :half], self.sin[:, :half])  # [T_max, D/2]
+        elif self.rotate_halves:
             self.half_cos, self.half_sin = _halves(self.cos, self.sin)  # [T_max, 2, D/2]
         first = self.attention[0]
         shape = (B, first.kv_heads, total, first.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        # columns are written before they are read (a query sees only columns up to its own)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
         # every generated column is valid for every live row (finished rows leave the batch),
         # so the masks are complete up front: a decode step only widens its view of them
         self.valid = torch.ones(B, total, dtype=torch.bool, device=device)
@@ -174,15 +188,51 @@ class NativeDecoder:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed one token per row [B]; next-token logits [B, V]."""
+        if self.pairs and tokens.device.type == "cpu":
+            return self._step_pairs(tokens)
         x = self.backbone.embed_tokens(tokens[:, None])  # [B, 1, H]
         column = self.length
-        if x.device.type == "cpu":  # additive: see _attend_one
-            mask = self.bias[:, None, None, : column + 1]  # [B, 1, 1, S]
+        if x.device.type == "cpu":  # additive, the same for every layer: see _attend_one
+            B, kv_heads = x.shape[0], self.attention[0].kv_heads
+            mask = self.bias[:, None, None, : column + 1].expand(
+                B, kv_heads, 1, column + 1).reshape(B * kv_heads, 1, column + 1)
         else:
             mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
         hidden = self._forward(x, self.positions[:, None], mask)
         self.positions = self.positions + 1
         return self._logits(hidden[:, -1])
+
+    def _step_pairs(self, tokens: Tensor) -> Tensor:
+        """`step` on the plain layers with q, k as complex pairs, on a CPU: the same arithmetic
+        as `_forward` with two-dimensional hidden states [B, H] and the one-query attention
+        of `_attend_one`, in about two thirds of its operations (at a 0.7 M-parameter model
+        a decode step is mostly the cost of launching ~100 small ones)."""
+        B, column = len(tokens), self.length
+        S = column + 1
+        x = self.backbone.embed_tokens(tokens)  # [B, H]
+        turns = self.freqs[self.positions][:, None]  # [B, 1, D/2]
+        self.positions = self.positions + 1
+        kv_heads, D = self.attention[0].kv_heads, self.attention[0].head_dim
+        bias = self.bias[:, None, :S].expand(B, kv_heads, S).reshape(B * kv_heads, 1, S)
+        for i, layer in enumerate(self.layers):
+            p, a = self.plain[i], self.attention[i]
+            first, second = p.norms or (None, None)
+            qkv = linear(_norm(layer.input_layernorm, first, x), *p.qkv)  # [B, (H+2H_kv) D]
+            heads = a.heads + a.kv_heads
+            qk = _rotate_pairs(qkv[:, :heads * D], heads, turns)  # [B, H + H_kv, D]
+            self.keys[i][:, :, column] = qk[:, a.heads:]
+            self.values[i][:, :, column] = qkv[:, heads * D:].view(B, kv_heads, D)
+            keys = self.keys[i].view(B * kv_heads, -1, D)[:, :S]  # [B H_kv, S, D]
+            values = self.values[i].view(B * kv_heads, -1, D)[:, :S]
+            q = qk[:, :a.heads].reshape(B * kv_heads, a.heads // kv_heads, D)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=a.scaling)
+            out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
+            x = x + linear(out.view(B, -1), *p.out)
+            gate, up = linear(_norm(layer.post_attention_layernorm, second, x),
+                              *p.gate_up).chunk(2, dim=-1)
+            x = x + linear(p.act(gate) * up, *p.down)
+        self.length = S
+        return self._logits(x)
 
     def keep(self, rows: Tensor) -> None:
         """Drop every row not in `rows` from the cache (finished completions)."""
@@ -200,7 +250,9 @@ class NativeDecoder:
 
     def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """The decoder layers on x [B, T, H] at `positions` [B, T], writing T cache columns."""
-        if self.rotate_halves:  # [B, T, 1, 2, D/2]
+        if self.pairs:  # [B, T, 1, D/2] complex (sin unused)
+            cos = sin = self.freqs[positions][:, :, None]
+        elif self.rotate_halves:  # [B, T, 1, 2, D/2]
             cos, sin = self.half_cos[positions][:, :, None], self.half_sin[positions][:, :, None]
         else:
             cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
@@ -230,7 +282,9 @@ class NativeDecoder:
         if self.rotate_halves:  # q and k turned together; cos, sin per half (see prefill)
             qkv = linear(h, *self.plain[i].qkv)  # [B, T, (H + 2 H_kv) D]
             heads = a.heads + a.kv_heads
-            qk = _turn(qkv[..., :heads * a.head_dim], heads, cos, sin)  # [B, T, H + H_kv, D]
+            qk = qkv[..., :heads * a.head_dim]
+            # [B, T, H + H_kv, D]
+            qk = _rotate_pairs(qk, heads, cos) if self.pairs else _turn(qk, heads, cos, sin)
             q, k = qk[:, :, :a.heads].transpose(1, 2), qk[:, :, a.heads:].transpose(1, 2)
             v = qkv[..., heads * a.head_dim:].unflatten(-1, (a.kv_heads, a.head_dim))
             v = v.transpose(1, 2)
@@ -261,6 +315,28 @@ class NativeDecoder:
         return linear(out, *self.plain[i].out)
 
 
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout_of(lm: nn.Module) -> tuple[list[_Attention], bool]:
+    """`_attention_of(lm)` and whether `_rotate_halves_possible`: found once per model (a decode
+    call would otherwise spend ~0.1 ms on them; the weights, which change, are read anew)."""
+    found = _LAYOUTS.get(lm)
+    if found is None:
+        attention = _attention_of(lm)
+        layers = list(lm.model.layers)
+        found = _LAYOUTS[lm] = (attention, _rotate_halves_possible(layers, attention, lm.model))
+    return found
+
+
+def _rows_of(cache: Tensor, rows: Tensor, columns: int) -> Tensor:
+    """A cache [len(rows), H_kv, T_max, D] holding `cache`'s rows `rows` in its first
+    `columns` columns (the rest left unwritten)."""
+    out = cache.new_empty((len(rows), *cache.shape[1:]))
+    out[:, :, :columns] = cache[rows, :, :columns]
+    return out
+
+
 def _attention_of(lm: nn.Module) -> list[_Attention]:
     """Each decoder layer's attention module and shapes."""
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
@@ -281,13 +357,12 @@ def _attention_of(lm: nn.Module) -> list[_Attention]:
 
 def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float) -> Tensor:
     """Attention of one query per row: q [B, H, 1, D] over keys/values [B, H_kv, S, D] with an
-    additive bias [B, 1, 1, S]. On CPUs, SDPA's flash kernel pads the single query to a block
-    and costs several times these three small operations."""
+    additive bias [B * H_kv, 1, S] (built once per token for every layer). On CPUs, SDPA's
+    flash kernel pads the single query to a block and costs several times these three small
+    operations."""
     B, H, _, D = q.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
-    G = H // kv_heads
-    q = q.reshape(B * kv_heads, G, D)  # the query heads of each key head together
-    bias = bias.expand(B, kv_heads, G, S).reshape(B * kv_heads, G, S)
+    q = q.reshape(B * kv_heads, H // kv_heads, D)  # the query heads of each key head together
     # bias + scale * q k^T in one operation (the same products, then the same scale and sum)
     scores = torch.baddbmm(bias, q, keys.reshape(B * kv_heads, S, D).transpose(1, 2), alpha=scale)
     out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * kv_heads, S, D))
@@ -318,6 +393,28 @@ def _turn(x: Tensor, heads: int, cos: Tensor, sin: Tensor) -> Tensor:
     modules' to the last bit, in four operations."""
     halves = x.unflatten(-1, (heads, 2, x.shape[-1] // heads // 2))
     return (halves * cos + halves.flip(-2) * sin).flatten(-2)
+
+
+def _rotate_pairs(x: Tensor, heads: int, turns: Tensor) -> Tensor:
+    """x [..., heads * D] whose heads' rows are interleaved (x1_0, x2_0, x1_1, x2_1, ...: see
+    `_interleaved`) turned by complex factors `turns` [..., 1, D/2] = cos + i sin: one complex
+    product per pair computes rotate_half's (x1 c - x2 s, x2 c + x1 s). [..., heads, D]."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (heads, -1, 2)))
+    return torch.view_as_real(pairs * turns).flatten(-2)
+
+
+def _interleaved(qkv: Linear, attention: _Attention) -> Linear:
+    """The fused q/k/v projection with each q and k head's rows reordered (0, D/2, 1, D/2 + 1,
+    ...), so each rotary pair of `_rotate_pairs` sits side by side; v stays as it is. Keys and
+    queries are reordered alike, so their products, and the attention, are unchanged."""
+    weight, bias = qkv
+    D = attention.head_dim
+    head = torch.arange(D, device=weight.device).view(2, D // 2).t().reshape(-1)
+    qk_heads = attention.heads + attention.kv_heads
+    rows = torch.cat([(torch.arange(qk_heads, device=weight.device)[:, None] * D
+                       + head).reshape(-1),
+                      torch.arange(qk_heads * D, weight.shape[0], device=weight.device)])
+    return weight[rows], bias[rows] if bias is not None else None
 
 
 def _rms_norm_of(module: nn.Module) -> Norm | None:
@@ -412,10 +509,12 @@ def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Ca
     return names, up, act
 
 
-def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
+def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = None
+                      ) -> list[_Plain] | None:
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
     copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per
-    decode call (the weights change at every optimizer step)."""
+    decode call (the weights change at every optimizer step). With `pairs` (each layer's
+    attention shapes) the q and k rows are `_interleaved`."""
     copied = 0
     for layer in layers:
         for module in layer.modules():
@@ -435,6 +534,8 @@ def plain_projections(layers: list[nn.Module]) -> list[_Plain] | None:
         out, down = _plain_linear(attn.o_proj), _plain_linear(mlp.down_proj)
         if qkv is None or gate_up is None or out is None or down is None:
             return None
+        if pairs is not None:
+            qkv = _interleaved(qkv, pairs[len(plain)])
         packed = [(pack(w), b) for w, b in (qkv, out, gate_up, down)]
         first, second = (_rms_norm_of(layer.input_layernorm),
                          _rms_norm_of(layer.post_attention_layernorm))

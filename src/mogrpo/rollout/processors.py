@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import LogitsProcessor
 
@@ -58,7 +60,7 @@ class NonFiniteGuard(LogitsProcessor):
         # One host sync per step; cheap next to a forward pass and keeps the common path a no-op.
         # A finite sum means every entry is finite (NaN and ±inf propagate into it); an
         # overflowing sum of finite values only sends it to the full check below.
-        if bool(torch.isfinite(scores.sum())):
+        if math.isfinite(scores.sum().item()):
             return scores
         finite = torch.isfinite(scores)  # [B, V]
         if bool(finite.all()):
