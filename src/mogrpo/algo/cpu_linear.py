@@ -10,8 +10,8 @@ precision); only the summation order differs, by float rounding (~1e-6 relative)
 `linear(x, w, b)` is that kernel without autograd (the native decode loop, on weights `pack`ed
 once per decode call); `onednn_linears()` is a context in which every `nn.Linear` of a model —
 its own, peft's base layers, the output head — runs on it, with a backward whose three
-products (input, weight and bias gradients) run on it too. Both fall back to `F.linear` off CPUs, for other dtypes, and where the
-build has no oneDNN.
+products (input, weight and bias gradients) run on it too. Both fall back to `F.linear` off
+CPUs, for other dtypes, and where the build has no oneDNN.
 """
 
 from __future__ import annotations

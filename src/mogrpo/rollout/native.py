@@ -144,12 +144,7 @@ class NativeDecoder:
             return self._prefill(prompt_ids, prompt_mask, max_new_tokens)
         distinct, inverse = groups  # [U, 2P], [B]
         logits = self._prefill(distinct[:, :P], distinct[:, P:], max_new_tokens)  # [U, V]
-        # the rows' caches: only the prompt columns hold anything yet (each decode step writes
-        # its column before any query reads it), so only those are copied
-        self.keys = [_rows_of(k, inverse, P) for k in self.keys]
-        self.values = [_rows_of(v, inverse, P) for v in self.values]
-        self.valid, self.bias = self.valid[inverse], self.bias[inverse]
-        self.positions = self.positions[inverse]
+        self.keep(inverse)
         return logits[inverse]
 
     def _prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
@@ -193,14 +188,19 @@ class NativeDecoder:
         x = self.backbone.embed_tokens(tokens[:, None])  # [B, 1, H]
         column = self.length
         if x.device.type == "cpu":  # additive, the same for every layer: see _attend_one
-            B, kv_heads = x.shape[0], self.attention[0].kv_heads
-            mask = self.bias[:, None, None, : column + 1].expand(
-                B, kv_heads, 1, column + 1).reshape(B * kv_heads, 1, column + 1)
+            mask = self._step_bias(column + 1)
         else:
             mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
         hidden = self._forward(x, self.positions[:, None], mask)
         self.positions = self.positions + 1
         return self._logits(hidden[:, -1])
+
+    def _step_bias(self, columns: int) -> Tensor:
+        """The additive mask of a decode step's query over `columns` keys, per key head
+        [B * H_kv, 1, columns], built once for every layer (see `_attend_one`)."""
+        B, kv_heads = self.bias.shape[0], self.attention[0].kv_heads
+        return self.bias[:, None, :columns].expand(B, kv_heads, columns).reshape(
+            B * kv_heads, 1, columns)
 
     def _step_pairs(self, tokens: Tensor) -> Tensor:
         """`step` on the plain layers with q, k as complex pairs, on a CPU: the same arithmetic
@@ -213,7 +213,7 @@ class NativeDecoder:
         turns = self.freqs[self.positions][:, None]  # [B, 1, D/2]
         self.positions = self.positions + 1
         kv_heads, D = self.attention[0].kv_heads, self.attention[0].head_dim
-        bias = self.bias[:, None, :S].expand(B, kv_heads, S).reshape(B * kv_heads, 1, S)
+        bias = self._step_bias(S)
         for i, layer in enumerate(self.layers):
             p, a = self.plain[i], self.attention[i]
             first, second = p.norms or (None, None)
@@ -235,9 +235,11 @@ class NativeDecoder:
         return self._logits(x)
 
     def keep(self, rows: Tensor) -> None:
-        """Drop every row not in `rows` from the cache (finished completions)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
+        """Keep the rows `rows` of the cache, in that order (finished completions leave; after
+        a prefill of distinct prompts, each row gets its prompt's). Only the columns written
+        so far are copied: a decode step writes its column before any query reads it."""
+        self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
+        self.values = [_rows_of(v, rows, self.length) for v in self.values]
         self.valid = self.valid[rows]
         self.bias = self.bias[rows]
         self.positions = self.positions[rows]
