@@ -127,8 +127,11 @@ class NativeDecoder:
         self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
         self.values: list[Tensor] = []
         self.valid = torch.empty(0)  # [B, T_max] bool: key positions a query may attend to
-        self.bias = torch.empty(0)  # [B, T_max] float: 0 where valid, -inf elsewhere
-        self.positions = torch.empty(0)  # [B] the position id of the next token
+        # [B, H_kv, T_max] float, 0 where valid, -inf elsewhere (per key head: see _attend_one)
+        self.bias = torch.empty(0)
+        self.positions = torch.empty(0)  # [B] the position id of the first generated token
+        self.turns = torch.empty(0)  # [N, B, D/2] complex rotation of each new token: prefill
+        self.prompt_columns = 0  # P: the cache column of the first generated token
         self.length = 0  # columns of the cache filled so far
         self.cos = self.sin = torch.empty(0)  # [T_max, D] rotary tables
 
@@ -169,10 +172,15 @@ class NativeDecoder:
         # so the masks are complete up front: a decode step only widens its view of them
         self.valid = torch.ones(B, total, dtype=torch.bool, device=device)
         self.valid[:, :P] = prompt_mask.bool()
-        self.bias = torch.zeros(B, total, dtype=dtype, device=device).masked_fill_(
-            ~self.valid, float("-inf"))
+        bias = torch.zeros(B, 1, total, dtype=dtype, device=device).masked_fill_(
+            ~self.valid[:, None], float("-inf"))
+        self.bias = bias.expand(B, first.kv_heads, total).contiguous()
         positions = token_positions(prompt_mask.long())  # [B, P], as generate()
         self.positions = positions[:, -1] + 1
+        self.prompt_columns = P
+        if self.pairs:  # each new token's turn, looked up per row once rather than per token
+            steps = torch.arange(max_new_tokens, device=device)
+            self.turns = self.freqs[steps[:, None] + self.positions]  # [N, B, D/2]
         # Causal over real tokens; a pad query sees itself only, so no row is all masked.
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         mask = causal[None] & self.valid[:, None, :P]  # [B, P, P]
@@ -191,16 +199,15 @@ class NativeDecoder:
             mask = self._step_bias(column + 1)
         else:
             mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
-        hidden = self._forward(x, self.positions[:, None], mask)
-        self.positions = self.positions + 1
+        positions = self.positions + (column - self.prompt_columns)
+        hidden = self._forward(x, positions[:, None], mask)
         return self._logits(hidden[:, -1])
 
     def _step_bias(self, columns: int) -> Tensor:
         """The additive mask of a decode step's query over `columns` keys, per key head
-        [B * H_kv, 1, columns], built once for every layer (see `_attend_one`)."""
-        B, kv_heads = self.bias.shape[0], self.attention[0].kv_heads
-        return self.bias[:, None, :columns].expand(B, kv_heads, columns).reshape(
-            B * kv_heads, 1, columns)
+        [B * H_kv, 1, columns] (a view; see `_attend_one`)."""
+        B, kv_heads, total = self.bias.shape
+        return self.bias.view(B * kv_heads, 1, total)[:, :, :columns]
 
     def _step_pairs(self, tokens: Tensor) -> Tensor:
         """`step` on the plain layers with q, k as complex pairs, on a CPU: the same arithmetic
@@ -210,8 +217,7 @@ class NativeDecoder:
         B, column = len(tokens), self.length
         S = column + 1
         x = self.backbone.embed_tokens(tokens)  # [B, H]
-        turns = self.freqs[self.positions][:, None]  # [B, 1, D/2]
-        self.positions = self.positions + 1
+        turns = self.turns[column - self.prompt_columns, :, None]  # [B, 1, D/2]
         kv_heads, D = self.attention[0].kv_heads, self.attention[0].head_dim
         bias = self._step_bias(S)
         for i, layer in enumerate(self.layers):
@@ -243,6 +249,8 @@ class NativeDecoder:
         self.valid = self.valid[rows]
         self.bias = self.bias[rows]
         self.positions = self.positions[rows]
+        if self.pairs:
+            self.turns = self.turns[:, rows]
 
     def _logits(self, hidden: Tensor) -> Tensor:
         hidden = _norm(self.backbone.norm, self.final_norm, hidden)
@@ -359,7 +367,7 @@ def _attention_of(lm: nn.Module) -> list[_Attention]:
 
 def _attend_one(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float) -> Tensor:
     """Attention of one query per row: q [B, H, 1, D] over keys/values [B, H_kv, S, D] with an
-    additive bias [B * H_kv, 1, S] (built once per token for every layer). On CPUs, SDPA's
+    additive bias [B * H_kv, 1, S] (the same for every layer of a step). On CPUs, SDPA's
     flash kernel pads the single query to a block and costs several times these three small
     operations."""
     B, H, _, D = q.shape
@@ -510,6 +518,11 @@ def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Ca
         return None
     return names, up, act
 
+def _linear_bytes(layers: list[nn.Module]) -> int:
+    """Bytes of the layers' linear weights (LoRA factors included)."""
+    return sum(m.weight.numel() * m.weight.element_size()
+               for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
+
 
 def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = None
                       ) -> list[_Plain] | None:
@@ -517,12 +530,7 @@ def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = 
     copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per
     decode call (the weights change at every optimizer step). With `pairs` (each layer's
     attention shapes) the q and k rows are `_interleaved`."""
-    copied = 0
-    for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, nn.Linear):
-                copied += module.weight.numel() * module.weight.element_size()
-    if copied > PLAIN_MAX_BYTES:
+    if _linear_bytes(layers) > PLAIN_MAX_BYTES:
         return None
     plain = []
     for layer in layers:

@@ -100,7 +100,7 @@ def draw(probs: Tensor) -> Tensor:
     in float64: a float32 running sum over a 150k-token vocabulary would misplace the share of
     the least likely tokens by up to ~1e-7 each.
     """
-    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
     u = (1.0 - torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(1)
 
