@@ -52,6 +52,42 @@ def test_kept_memory_serves_the_next_step_without_page_faults():
     assert kept < default // 3
 
 
+# Small blocks freed among larger ones: with fastbins on, glibc leaves them unmerged in its
+# fastbins (mallinfo2's fsmblks: their bytes) until a large request walks them all.
+_SMALL = """
+import ctypes, sys
+from mogrpo.train.host_memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory() is None
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+libc.mallinfo2.restype = Info
+blocks = [libc.malloc(96) for _ in range(5000)]
+for b in blocks:
+    libc.free(b)
+print(libc.mallinfo2().fsmblks)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_kept_memory_leaves_no_small_blocks_waiting_in_fastbins():
+    def fastbin_bytes(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        env.pop("GLIBC_TUNABLES", None)
+        out = subprocess.run([sys.executable, "-c", _SMALL, mode], capture_output=True,
+                             text=True, env=env, check=True)
+        return int(out.stdout.strip())
+
+    # the per-thread cache takes the first 7 blocks; glibc's defaults park the rest
+    assert fastbin_bytes("default") > 100_000
+    assert fastbin_bytes("keep") == 0
+
+
 def test_environment_settings_win(monkeypatch):
     called = []
     monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda *a: called.append(a))

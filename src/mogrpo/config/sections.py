@@ -371,8 +371,9 @@ class TrainConfig(Section):
     host_memory: Literal["auto", "keep", "release"] = "auto"
     """What the C library's malloc does with the memory a step frees: "keep" holds it for the
     next step (glibc on Linux: no fresh pages faulted in every step, ~8 % of a small model's
-    CPU step), "release" leaves its defaults, "auto" keeps on CPU runs. Never changes the math;
-    MALLOC_* environment settings win."""
+    CPU step; small freed blocks merged at once rather than in walks over its fastbins),
+    "release" leaves its defaults, "auto" keeps on CPU runs. Never changes the math; MALLOC_*
+    and glibc.malloc tunables in the environment win."""
 
 
 class SFTConfig(Section):
