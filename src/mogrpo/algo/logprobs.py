@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import onednn_linears
-from mogrpo.algo.rms_norm import fused_rms_norms
 from mogrpo.errors import ConfigError
 
 
@@ -177,8 +176,7 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
-    # CPU float32: the linears on oneDNN, RMSNorm with its closed-form backward
-    with onednn_linears(model), fused_rms_norms(model):
+    with onednn_linears(model):  # CPU float32: the linears on oneDNN, forward and backward
         if groups is None:
             kwargs = {}
             if _accepts_logits_to_keep(model):
