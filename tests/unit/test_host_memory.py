@@ -34,17 +34,19 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(mode: str) -> int:
+def _run(script: str, mode: str) -> int:
+    """The number `script` prints, run in a process of its own with glibc's malloc defaults
+    (no MALLOC_* or tunables inherited) and `mode` ("keep" or "default") as its argument."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.pop("GLIBC_TUNABLES", None)
-    out = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
                          env=env, check=True)
     return int(out.stdout.strip())
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_kept_memory_serves_the_next_step_without_page_faults():
-    default, kept = _faults("default"), _faults("keep")
+    default, kept = _run(_STEPS, "default"), _run(_STEPS, "keep")
     # glibc's defaults give part of the freed activations back after each step and fault
     # them in again (250 to 800 pages a step here); kept, the heap serves every step from
     # the pages it already has.
@@ -76,16 +78,9 @@ print(libc.mallinfo2().fsmblks)
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_kept_memory_leaves_no_small_blocks_waiting_in_fastbins():
-    def fastbin_bytes(mode: str) -> int:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-        env.pop("GLIBC_TUNABLES", None)
-        out = subprocess.run([sys.executable, "-c", _SMALL, mode], capture_output=True,
-                             text=True, env=env, check=True)
-        return int(out.stdout.strip())
-
     # the per-thread cache takes the first 7 blocks; glibc's defaults park the rest
-    assert fastbin_bytes("default") > 100_000
-    assert fastbin_bytes("keep") == 0
+    assert _run(_SMALL, "default") > 100_000
+    assert _run(_SMALL, "keep") == 0
 
 
 def test_environment_settings_win(monkeypatch):

@@ -518,10 +518,6 @@ def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Ca
         return None
     return names, up, act
 
-def _linear_bytes(layers: list[nn.Module]) -> int:
-    """Bytes of the layers' linear weights (LoRA factors included)."""
-    return sum(m.weight.numel() * m.weight.element_size()
-               for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
 
 
 def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = None
@@ -530,7 +526,12 @@ def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = 
     copies (at most the layers' linear weights) would exceed PLAIN_MAX_BYTES. Built once per
     decode call (the weights change at every optimizer step). With `pairs` (each layer's
     attention shapes) the q and k rows are `_interleaved`."""
-    if _linear_bytes(layers) > PLAIN_MAX_BYTES:
+    copied = 0
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                copied += module.weight.numel() * module.weight.element_size()
+    if copied > PLAIN_MAX_BYTES:
         return None
     plain = []
     for layer in layers:
