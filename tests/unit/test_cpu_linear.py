@@ -11,7 +11,14 @@ import torch.nn.functional as F
 import transformers
 
 from mogrpo.algo import cpu_linear
-from mogrpo.algo.cpu_linear import linear, onednn_linears, pack
+from mogrpo.algo.cpu_linear import (
+    decode_linear,
+    decode_weight,
+    linear,
+    onednn_linears,
+    pack,
+    wide_avx512,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
 
@@ -153,3 +160,51 @@ def test_the_context_restores_the_layers_and_leaves_other_models_alone():
     double = torch.nn.Linear(8, 8).double()
     with onednn_linears(double):  # not float32: left as it is
         assert type(double) is torch.nn.Linear
+
+
+def _cpuinfo(vendor: str, family: int, flags: str) -> str:
+    block = (f"processor\t: {{n}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
+             f"model\t\t: 17\nflags\t\t: fpu sse2 avx2 {flags}\n\n")
+    return block.format(n=0) + block.format(n=1)
+
+
+def test_full_width_avx512_means_amd_zen5_or_later():
+    assert wide_avx512(_cpuinfo("AuthenticAMD", 26, "avx512f avx512bw"))  # Zen 5
+    assert wide_avx512(_cpuinfo("AuthenticAMD", 27, "avx512f"))
+    assert not wide_avx512(_cpuinfo("AuthenticAMD", 25, "avx512f avx512bw"))  # Zen 4: halves
+    assert not wide_avx512(_cpuinfo("AuthenticAMD", 26, "avx512vl"))  # no AVX-512F
+    assert not wide_avx512(_cpuinfo("GenuineIntel", 6, "avx512f"))  # MKL runs AVX-512 there
+    assert not wide_avx512("")  # no /proc/cpuinfo (macOS, Windows)
+    assert not wide_avx512("vendor_id\t: AuthenticAMD\ncpu family\t: ?\n")
+
+
+def test_decode_weights_are_packed_from_the_size_where_onednn_wins(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)  # Zen 4, Intel
+    assert decode_weight(torch.randn(512, 256)).is_mkldnn  # 256 inputs, 2^17 elements
+    for shape in [(256, 256), (1280, 128), (128, 640)]:  # MKL's product is the faster one
+        small = torch.randn(shape)
+        assert decode_weight(small) is small
+    small = torch.randn(1280, 64)
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: True)  # full-width AVX-512
+    assert decode_weight(small).is_mkldnn
+
+
+@pytest.mark.parametrize("on_onednn", [True, False])
+def test_decode_products_follow_the_cpu_rule(monkeypatch, on_onednn):
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: on_onednn)
+    torch.manual_seed(0)
+    x, w, b = torch.randn(16, 48), torch.randn(96, 48), torch.randn(96)
+    weight = decode_weight(w)
+    assert weight.is_mkldnn == on_onednn  # small: packed only where every product is oneDNN's
+    calls = []
+    original = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(1) or original(*a))
+    out = decode_linear(x, weight, b)
+    assert len(calls) == int(on_onednn)
+    if on_onednn:
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    else:  # the BLAS F.linear itself, bit for bit
+        assert torch.equal(out, F.linear(x, w, b))
+    decode_linear(x, w, b)  # an unpacked weight (the output head's) takes the same kernel
+    assert len(calls) == 2 * int(on_onednn)

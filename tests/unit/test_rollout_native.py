@@ -65,9 +65,23 @@ def training_logprobs(model, ro, temperature):
                                    ro.completion_mask, temperature=temperature)[0]
 
 
+@pytest.fixture(params=["blas", "onednn"])
+def decode_kernel(request, monkeypatch):
+    """Both kernels the decode loop's products may run on (which one depends on the CPU: see
+    `cpu_linear.decode_on_onednn`), whatever this machine's CPU."""
+    from mogrpo.algo import cpu_linear
+
+    if request.param == "onednn" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
+    return request.param
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_completions_and_logprobs_match_generate(family, tok):
+def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kernel):
     model = family_model(family, tok)
+    plain = NativeDecoder(model).plain
+    assert plain[0].qkv[0].is_mkldnn == (decode_kernel == "onednn")  # tiny: MKL unless wide
     hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
     # A token the greedy rows emit mid-way becomes a stop id: rows then finish at different
     # steps and leave the native batch one by one.

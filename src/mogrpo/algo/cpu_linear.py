@@ -2,23 +2,41 @@
 
 PyTorch's CPU builds compute a float32 `F.linear` with MKL's sgemm. On CPUs MKL does not
 recognise as Intel's (AMD EPYC, for one), sgemm runs its AVX2 code, while oneDNN, which the same
-builds ship, uses AVX-512: on a 2-core EPYC the oneDNN linear takes about half the time at the
-shapes of a training forward ([720, 256] x [256, 1920]: 3.5 ms instead of 7.3 ms) and a third at
-decode shapes ([16, 256] x [256, 1920]). It is the same float32 product (IEEE, no reduced
-precision); only the summation order differs, by float rounding (~1e-6 relative).
+builds ship, uses AVX-512. How much that buys depends on how wide the CPU computes AVX-512:
 
-`linear(x, w, b)` is that kernel without autograd (the native decode loop, on weights `pack`ed
-once per decode call); `onednn_linears()` is a context in which every `nn.Linear` of a model —
-its own, peft's base layers, the output head — runs on it, with a backward whose three
-products (input, weight and bias gradients) run on it too. Both fall back to `F.linear` off
-CPUs, for other dtypes, and where the build has no oneDNN.
+| 1 core, float32 | [720, 256] x [256, 1920] | a decode step's [16, in] x [in, out] |
+|---|---|---|
+| EPYC Zen 5 (full-width AVX-512) | MKL 7.3 ms, oneDNN 3.5 ms | oneDNN (packed) faster but at 128 x 128 |
+| EPYC Zen 4 (AVX-512 in two halves) | MKL 6.9 ms, oneDNN 6.6 ms | see below |
+
+So the training products (hundreds of rows) run on oneDNN on every CPU — at worst ~4 % faster
+than MKL, at best twice as fast. A decode step's products (one row per sequence) are a matter
+of fixed cost per call against throughput. On Zen 4 at 16 rows, oneDNN on packed weights is
+1.1-1.6x faster than MKL from 256 inputs and in x out = 2^17 up (256 x 512 1.08x, 256 x 768
+1.16x, 960 x 256 1.14x, 512 x 3840 1.64x; a whole decode step of the vs_trl 32 M-parameter
+model 17 ms instead of 30) and slower below (640 x 128 0.90x, 128 x 384 0.75x, 128 x 128
+0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step). Decode weights are therefore
+packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and elsewhere
+from those sizes on; the rest run on MKL, which on Intel CPUs runs AVX-512 itself. The rule is fixed per CPU model and shape rather than timed at
+start: a timed choice could differ between two runs of the same seed on the same machine, and
+the kernels differ in float rounding. It is the same float32 product either way (IEEE, no
+reduced precision); only the summation order differs (~1e-6 relative).
+
+`linear(x, w, b)` is that kernel without autograd (the KL reference's forward); `decode_weight`
+and `decode_linear` are the decode loop's (weights packed once per decode call where oneDNN
+runs); `onednn_linears()` is a context in which every `nn.Linear` of a model — its own, peft's
+base layers, the output head — runs on oneDNN, with a backward whose three products (input,
+weight and bias gradients) run on it too. All fall back to `F.linear` off CPUs, for other
+dtypes, and where the build has no oneDNN.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +55,38 @@ def available() -> bool:
         return bool(torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5))
     except (AttributeError, RuntimeError):
         return False
+
+
+def wide_avx512(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes AVX-512 at full width where MKL would not use it: an AMD CPU
+    of family 0x1A (Zen 5) or later with AVX-512F. `cpuinfo` is /proc/cpuinfo's text (read
+    when not given; False where there is none)."""
+    if cpuinfo is None:
+        cpuinfo = _cpuinfo()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block says it for all
+            continue
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    try:
+        family = int(fields.get("cpu family", ""))
+    except ValueError:
+        return False
+    return fields.get("vendor_id") == "AuthenticAMD" and family >= 0x1A and \
+        "avx512f" in fields.get("flags", "").split()
+
+
+@functools.cache
+def _cpuinfo() -> str:
+    if not sys.platform.startswith("linux"):
+        return ""
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def usable(x: Tensor, w: Tensor) -> bool:
@@ -58,6 +108,32 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """`F.linear(x, w, b)` (x [..., in], w [out, in], plain or `pack`ed), on oneDNN where it
     applies; no autograd."""
     if w.is_mkldnn or usable(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+# inputs and in x out from which oneDNN's packed product outruns MKL's at decode rows (Zen 4)
+DECODE_PACK_MIN_IN, DECODE_PACK_MIN = 256, 2**17
+
+
+@functools.cache
+def decode_on_onednn() -> bool:
+    """Whether every product of the decode loop runs on oneDNN here (`wide_avx512` CPUs)."""
+    return available() and wide_avx512()
+
+
+def decode_weight(w: Tensor) -> Tensor:
+    """w [out, in] as `decode_linear` takes it: `pack`ed where oneDNN computes its decode
+    products (every weight on `decode_on_onednn` CPUs, else the large ones: see the module
+    docstring), else w itself."""
+    large = w.dim() == 2 and w.shape[1] >= DECODE_PACK_MIN_IN and w.numel() >= DECODE_PACK_MIN
+    return pack(w) if decode_on_onednn() or large else w
+
+
+def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """`F.linear(x, w, b)` in the decode loop (w plain or a `decode_weight`): on oneDNN for a
+    packed w, and for any w where `decode_on_onednn`; else on the BLAS."""
+    if w.is_mkldnn or (decode_on_onednn() and usable(x, w)):
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 

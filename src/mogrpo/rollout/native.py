@@ -9,10 +9,11 @@ sampling rules are a few tensor operations (`SamplingRules`). Rows that hit a st
 batch, so the cost follows the live rows.
 
 The projections run on plain weights built once per call (`plain_projections`): q/k/v in one
-matrix, gate/up in one, LoRA adapters merged in, and on CPUs packed for oneDNN's float32
-matmul (`mogrpo.algo.cpu_linear`), so a layer costs four matmuls and no module calls. Layers
-that cannot be made plain (quantised, DoRA) run their own modules. On CPUs the one-query
-attention of a decode step is three small operations instead of SDPA's padded flash kernel.
+matrix, gate/up in one, LoRA adapters merged in, and on CPUs with full-width AVX-512 packed for
+oneDNN's float32 matmul (`mogrpo.algo.cpu_linear`), so a layer costs four matmuls and no
+module calls. Layers that cannot be made plain (quantised, DoRA) run their own modules. On CPUs
+the one-query attention of a decode step is three small operations instead of SDPA's padded
+flash kernel.
 
 It covers the decoder families whose layers share the Llama layout (pre-norm, rotary,
 grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3.
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import linear, pack
+from mogrpo.algo.cpu_linear import decode_linear, decode_weight, linear
 from mogrpo.algo.logprobs import distinct_prompts, sharded, token_positions, wrapper_chain
 from mogrpo.rollout.sampling import SamplingRules
 
@@ -223,7 +224,8 @@ class NativeDecoder:
         for i, layer in enumerate(self.layers):
             p, a = self.plain[i], self.attention[i]
             first, second = p.norms or (None, None)
-            qkv = linear(_norm(layer.input_layernorm, first, x), *p.qkv)  # [B, (H+2H_kv) D]
+            h = _norm(layer.input_layernorm, first, x)
+            qkv = decode_linear(h, *p.qkv)  # [B, (H + 2 H_kv) D]
             heads = a.heads + a.kv_heads
             qk = _rotate_pairs(qkv[:, :heads * D], heads, turns)  # [B, H + H_kv, D]
             self.keys[i][:, :, column] = qk[:, a.heads:]
@@ -233,10 +235,10 @@ class NativeDecoder:
             q = qk[:, :a.heads].reshape(B * kv_heads, a.heads // kv_heads, D)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=a.scaling)
             out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
-            x = x + linear(out.view(B, -1), *p.out)
-            gate, up = linear(_norm(layer.post_attention_layernorm, second, x),
+            x = x + decode_linear(out.view(B, -1), *p.out)
+            gate, up = decode_linear(_norm(layer.post_attention_layernorm, second, x),
                               *p.gate_up).chunk(2, dim=-1)
-            x = x + linear(p.act(gate) * up, *p.down)
+            x = x + decode_linear(p.act(gate) * up, *p.down)
         self.length = S
         return self._logits(x)
 
@@ -255,7 +257,7 @@ class NativeDecoder:
     def _logits(self, hidden: Tensor) -> Tensor:
         hidden = _norm(self.backbone.norm, self.final_norm, hidden)
         if type(self.head) is nn.Linear:
-            return linear(hidden, self.head.weight, self.head.bias).float()  # [B, V]
+            return decode_linear(hidden, self.head.weight, self.head.bias).float()  # [B, V]
         return self.head(hidden).float()
 
     def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
@@ -278,8 +280,8 @@ class NativeDecoder:
             h = _norm(layer.input_layernorm, first, x)
             x = x + self._attend(i, h, cos, sin, start, mask)
             h = _norm(layer.post_attention_layernorm, second, x)
-            gate, up = linear(h, *p.gate_up).chunk(2, dim=-1)
-            x = x + linear(p.act(gate) * up, *p.down)
+            gate, up = decode_linear(h, *p.gate_up).chunk(2, dim=-1)
+            x = x + decode_linear(p.act(gate) * up, *p.down)
         self.length = start + T
         return x
 
@@ -290,7 +292,7 @@ class NativeDecoder:
         attn = a.module
         B, T, _ = h.shape
         if self.rotate_halves:  # q and k turned together; cos, sin per half (see prefill)
-            qkv = linear(h, *self.plain[i].qkv)  # [B, T, (H + 2 H_kv) D]
+            qkv = decode_linear(h, *self.plain[i].qkv)  # [B, T, (H + 2 H_kv) D]
             heads = a.heads + a.kv_heads
             qk = qkv[..., :heads * a.head_dim]
             # [B, T, H + H_kv, D]
@@ -303,8 +305,9 @@ class NativeDecoder:
                 q, k, v = _project_qkv(attn, h, a)
             else:
                 w, b = self.plain[i].qkv
-                q, k, v = linear(h, w, b).split([a.heads * a.head_dim, a.kv_heads * a.head_dim,
-                                                 a.kv_heads * a.head_dim], dim=-1)
+                q, k, v = decode_linear(h, w, b).split(
+                    [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim],
+                    dim=-1)
             q = q.view(B, T, a.heads, a.head_dim)
             k = k.view(B, T, a.kv_heads, a.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
@@ -322,7 +325,7 @@ class NativeDecoder:
         out = out.transpose(1, 2).reshape(B, T, a.heads * a.head_dim)
         if self.plain is None:
             return attn.o_proj(out)
-        return linear(out, *self.plain[i].out)
+        return decode_linear(out, *self.plain[i].out)
 
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -547,7 +550,7 @@ def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = 
             return None
         if pairs is not None:
             qkv = _interleaved(qkv, pairs[len(plain)])
-        packed = [(pack(w), b) for w, b in (qkv, out, gate_up, down)]
+        packed = [(decode_weight(w), b) for w, b in (qkv, out, gate_up, down)]
         first, second = (_rms_norm_of(layer.input_layernorm),
                          _rms_norm_of(layer.post_attention_layernorm))
         norms = (first, second) if first and second else None
