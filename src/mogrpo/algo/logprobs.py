@@ -11,6 +11,8 @@ import inspect
 from collections.abc import Callable, Iterator
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import onednn_linears
@@ -160,6 +162,11 @@ def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, T
     return None if len(distinct) == len(rows) else (distinct, inverse)
 
 
+# transformers 5.24 renamed a forward's `past_key_values` argument and output field `cache`
+# (the old name warns, and goes in 5.40); before it, a `cache=` argument would be ignored.
+_CACHE = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+
+
 def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
                        completion_ids: Tensor, completion_mask: Tensor,
                        groups: tuple[Tensor, Tensor] | None) -> Tensor:
@@ -198,11 +205,11 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
         first = prompts.logits[inverse]  # [B, 1, V]: predicts completion token 0
         if C == 1:
             return first
-        cache = prompts.past_key_values
+        cache = getattr(prompts, _CACHE)
         cache.reorder_cache(inverse)  # row b gets its prompt's keys and values
         attention_mask = attention_mask[:, : P + C - 1]
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                     position_ids=token_positions(attention_mask)[:, P:], past_key_values=cache,
+                     position_ids=token_positions(attention_mask)[:, P:], **{_CACHE: cache},
                      use_cache=True).logits  # [B, C-1, V]: predict tokens 1 .. C-1
     return torch.cat([first, rest], dim=1)
 
