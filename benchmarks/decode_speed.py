@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
 HERE = Path(__file__).resolve().parent
@@ -98,7 +99,8 @@ def main() -> None:
                   f"{r['hf_tokens_per_cpu_s']:.0f} / native {r['native_tokens_per_cpu_s']:.0f} "
                   f"tok/s x{r['cpu_ratio']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats}
+    meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
+            "cpu": cpu_name()}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| size | parameters | batch × tokens | generate() tok/s (wall / CPU) | "
              "native tok/s (wall / CPU) | native / generate by wall time | "
@@ -110,6 +112,8 @@ def main() -> None:
                      f"{r['native_tokens_per_cpu_s']:.0f} | {r['ratio']:.2f}× "
                      f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | **{r['cpu_ratio']:.2f}×** "
                      f"({r['cpu_ratio_min']:.2f}–{r['cpu_ratio_max']:.2f}) |")
+    lines.append(f"\nCPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
+                 f"{args.repeats} repeats alternated.")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -152,6 +152,7 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
     import trl
 
     import mogrpo
+    from mogrpo.algo.cpu_linear import cpu_name
 
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -160,7 +161,7 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
         rev = None
     return {
         "command": "python benchmarks/vs_trl/run.py " + " ".join(argv),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+        "machine": f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
                    f"{platform.python_version()}",
         "threads": bench.threads,
         "load_average_start": os.getloadavg(),

@@ -178,6 +178,14 @@ def test_full_width_avx512_means_amd_zen5_or_later():
     assert not wide_avx512("vendor_id\t: AuthenticAMD\ncpu family\t: ?\n")
 
 
+def test_cpu_name_tells_the_family_a_bare_model_name_hides():
+    info = _cpuinfo("AuthenticAMD", 25, "avx512f").replace("model\t\t: 17",
+                                                           "model\t\t: 17\nmodel name\t: AMD EPYC")
+    assert cpu_linear.cpu_name(info) == \
+        "AMD EPYC (AMD family 25 model 17, no full-width AVX-512 for oneDNN)"
+    assert cpu_linear.cpu_name("") == "unknown CPU"
+
+
 def test_decode_weights_are_packed_from_the_size_where_onednn_wins(monkeypatch):
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)  # Zen 4, Intel
     assert decode_weight(torch.randn(512, 256)).is_mkldnn  # 256 inputs, 2^17 elements

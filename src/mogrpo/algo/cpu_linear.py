@@ -61,22 +61,39 @@ def wide_avx512(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes AVX-512 at full width where MKL would not use it: an AMD CPU
     of family 0x1A (Zen 5) or later with AVX-512F. `cpuinfo` is /proc/cpuinfo's text (read
     when not given; False where there is none)."""
-    if cpuinfo is None:
-        cpuinfo = _cpuinfo()
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the first processor's block says it for all
-            continue
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
+    fields = _first_cpu(_cpuinfo() if cpuinfo is None else cpuinfo)
     try:
         family = int(fields.get("cpu family", ""))
     except ValueError:
         return False
     return fields.get("vendor_id") == "AuthenticAMD" and family >= 0x1A and \
         "avx512f" in fields.get("flags", "").split()
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU as benchmark reports name it: model name, vendor, family and model numbers
+    (virtual machines often show a bare "AMD EPYC"; the family tells Zen 4 from Zen 5)."""
+    fields = _first_cpu(_cpuinfo() if cpuinfo is None else cpuinfo)
+    if not fields:
+        return "unknown CPU"
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(fields.get("vendor_id", ""),
+                                                                 fields.get("vendor_id", "?"))
+    return (f"{fields.get('model name', '?')} ({vendor} family {fields.get('cpu family', '?')} "
+            f"model {fields.get('model', '?')}, "
+            f"{'full-width' if wide_avx512(cpuinfo) else 'no full-width'} AVX-512 for oneDNN)")
+
+
+def _first_cpu(cpuinfo: str) -> dict[str, str]:
+    """The first processor block of /proc/cpuinfo's text as fields (it speaks for all)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
 
 
 @functools.cache
