@@ -140,13 +140,29 @@ def test_draw_follows_the_probabilities_and_never_picks_a_zero():
     assert chi2 < 9.21  # chi-square 0.99 quantile, 2 degrees of freedom
 
 
-def test_generation_batch_size_splits_without_changing_greedy_output(tok):
+def test_generation_batch_size_splits_without_changing_greedy_output(tok, monkeypatch):
+    from mogrpo.rollout import native
+
     model = family_model("llama", tok)
     whole = rollout(model, tok, "native", k=3, greedy=True, max_new_tokens=8)
+    builds = []
+    build = native.plain_projections
+    monkeypatch.setattr(native, "plain_projections", lambda *a: builds.append(1) or build(*a))
+    decoders = []
+    prefill = native.NativeDecoder.prefill
+
+    def recorded(self, *args):
+        decoders.append(self)
+        return prefill(self, *args)
+
+    monkeypatch.setattr(native.NativeDecoder, "prefill", recorded)
     split = generate_rollout(model, tok, PROMPTS, SamplingSettings(greedy=True, max_new_tokens=8),
                              num_generations=3, max_prompt_length=32, generation_batch_size=5)
     assert torch.equal(split.completion_ids, whole.completion_ids)
     assert torch.equal(split.prompt_ids, whole.prompt_ids)
+    # 12 rows in batches of 5: three decode calls on one fusion and packing of the weights
+    assert len(decoders) == 3 and len(builds) == 1
+    assert decoders[0].plain is decoders[2].plain is not None
 
 
 FLAG_SETS = [

@@ -20,7 +20,12 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokeni
 
 from mogrpo.config.sections import RolloutConfig, RolloutEngine
 from mogrpo.errors import ConfigError, DataError
-from mogrpo.rollout.native import Decoded, native_decode, unsupported_reason
+from mogrpo.rollout.native import (
+    Decoded,
+    decode_projections,
+    native_decode,
+    unsupported_reason,
+)
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
 
 logger = logging.getLogger(__name__)
@@ -347,11 +352,13 @@ def _decode_batches(
     ):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
+        # the weights do not change between the batches: fused and packed once for all of them
+        projections = decode_projections(model) if chosen == "native" and step < rows else None
         for start in range(0, rows, step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             if chosen == "native":
                 out = native_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id,
-                                    record_logprobs=record_logprobs)
+                                    record_logprobs=record_logprobs, projections=projections)
             else:
                 out = _hf_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id)
             parts.append(out.tokens)
