@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from mogrpo.algo.cpu_linear import cpu_name
+
 
 def run_seed(seed: int, work: Path) -> dict:
     start = time.perf_counter()
@@ -57,7 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     results = [run_seed(seed, args.work) for seed in args.seeds]
     table = to_markdown(results)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    machine = (f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
+               f"{platform.python_version()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         f"# `mogrpo demo`: greedy held-out accuracy (200 prompts per task)\n\n"
