@@ -6,7 +6,7 @@ builds ship, uses AVX-512. How much that buys depends on how wide the CPU comput
 
 | 1 core, float32 | [720, 256] x [256, 1920] | a decode step's [16, in] x [in, out] |
 |---|---|---|
-| EPYC Zen 5 (full-width AVX-512) | MKL 7.3 ms, oneDNN 3.5 ms | oneDNN (packed) faster but at 128 x 128 |
+| EPYC Zen 5 (full-width AVX-512) | MKL 7.3 ms, oneDNN 3.5 ms | oneDNN packed faster (not 128²) |
 | EPYC Zen 4 (AVX-512 in two halves) | MKL 6.9 ms, oneDNN 6.6 ms | see below |
 
 So the training products (hundreds of rows) run on oneDNN on every CPU — at worst ~4 % faster
@@ -17,10 +17,11 @@ of fixed cost per call against throughput. On Zen 4 at 16 rows, oneDNN on packed
 model 17 ms instead of 30) and slower below (640 x 128 0.90x, 128 x 384 0.75x, 128 x 128
 0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step). Decode weights are therefore
 packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and elsewhere
-from those sizes on; the rest run on MKL, which on Intel CPUs runs AVX-512 itself. The rule is fixed per CPU model and shape rather than timed at
-start: a timed choice could differ between two runs of the same seed on the same machine, and
-the kernels differ in float rounding. It is the same float32 product either way (IEEE, no
-reduced precision); only the summation order differs (~1e-6 relative).
+from those sizes on; the rest run on MKL, which on Intel CPUs runs AVX-512 itself. The rule is
+fixed per CPU model and shape rather than timed at start: a timed choice could differ between
+two runs of the same seed on the same machine, and the kernels differ in float rounding. It is
+the same float32 product either way (IEEE, no reduced precision); only the summation order
+differs (~1e-6 relative).
 
 `linear(x, w, b)` is that kernel without autograd (the KL reference's forward); `decode_weight`
 and `decode_linear` are the decode loop's (weights packed once per decode call where oneDNN
