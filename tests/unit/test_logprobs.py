@@ -179,6 +179,27 @@ def test_position_ids_matter_so_the_test_above_can_fail():
     assert (wrong[0, :4] - naive[0]).abs().max() > 1e-2  # row 0 has 2 pads before its prompt
 
 
+def test_the_kv_cache_goes_by_the_name_the_model_declares():
+    """transformers 5.24 renamed `past_key_values` to `cache`; remote code written before it
+    declares the old name and would drop a `cache=` into its **kwargs unread."""
+    from peft import LoraConfig, get_peft_model
+
+    from mogrpo.algo.logprobs import _cache_argument
+
+    model = _build("llama", "sdpa")
+    parameters = inspect.signature(type(model).forward).parameters
+    declared = "cache" if "cache" in parameters else "past_key_values"
+    assert _cache_argument(model) == declared
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert _cache_argument(peft) == declared  # peft's **kwargs pass it through to the model
+
+    class OldRemoteCode(nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None, **kwargs):
+            return input_ids
+
+    assert _cache_argument(OldRemoteCode()) == "past_key_values"
+
+
 class _NoLogitsToKeep(nn.Module):
     """A causal LM whose forward has no ``logits_to_keep``: the full-logits path is taken."""
 

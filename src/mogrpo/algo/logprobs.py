@@ -189,8 +189,22 @@ def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, T
 
 
 # transformers 5.24 renamed a forward's `past_key_values` argument and output field `cache`
-# (the old name warns, and goes in 5.40); before it, a `cache=` argument would be ignored.
-_CACHE = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+# (the old name warns, and goes in 5.40).
+_CACHE_SINCE_5_24 = "cache" if Version(transformers.__version__).release >= (5, 24) \
+    else "past_key_values"
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The name the HF causal LM's forward takes a KV cache by: the first module in the wrapper
+    chain that declares `cache` or `past_key_values` decides (remote code written for older
+    transformers declares the old name, and would ignore a `cache=` in its **kwargs); where
+    none declares either, the installed transformers' name."""
+    for m in wrapper_chain(model):
+        parameters = inspect.signature(m.forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+    return _CACHE_SINCE_5_24
 
 
 def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
@@ -231,11 +245,12 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
         first = prompts.logits[inverse]  # [B, 1, V]: predicts completion token 0
         if C == 1:
             return first
-        cache = getattr(prompts, _CACHE)
+        name = _cache_argument(model)
+        cache = getattr(prompts, name)
         cache.reorder_cache(inverse)  # row b gets its prompt's keys and values
         attention_mask = attention_mask[:, : P + C - 1]
         rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                     position_ids=token_positions(attention_mask)[:, P:], **{_CACHE: cache},
+                     position_ids=token_positions(attention_mask)[:, P:], **{name: cache},
                      use_cache=True).logits  # [B, C-1, V]: predict tokens 1 .. C-1
     return torch.cat([first, rest], dim=1)
 
