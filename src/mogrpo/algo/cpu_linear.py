@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -151,9 +151,21 @@ def decode_weight(w: Tensor) -> Tensor:
 def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """`F.linear(x, w, b)` in the decode loop (w plain or a `decode_weight`): on oneDNN for a
     packed w, and for any w where `decode_on_onednn`; else on the BLAS."""
-    if w.is_mkldnn or (decode_on_onednn() and usable(x, w)):
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
+    return decode_kernel(w)(x, w, b)
+
+
+def decode_kernel(w: Tensor) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+    """The function `decode_linear` computes with for weights like `w`, to look up once per
+    weight rather than per call (a decode step of a small model is mostly call overhead)."""
+    if w.is_mkldnn:
+        return _packed_linear
+    if decode_on_onednn() and w.device.type == "cpu" and w.dtype == torch.float32:
+        return linear
+    return F.linear
+
+
+def _packed_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 class _Linear(torch.autograd.Function):

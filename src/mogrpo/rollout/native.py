@@ -28,6 +28,7 @@ linear products, and the log-probs equal the model's forward bit for bit where i
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import decode_linear, decode_weight, linear
+from mogrpo.algo.cpu_linear import decode_kernel, decode_linear, decode_weight, linear
 from mogrpo.algo.logprobs import distinct_prompts, sharded, token_positions, wrapper_chain
 from mogrpo.rollout.sampling import SamplingRules
 
@@ -147,6 +148,12 @@ class NativeDecoder:
         self.rotate_halves = self.plain is not None and halves
         self.pairs = self.rotate_halves and pairs
         self.final_norm = _rms_norm_of(self.backbone.norm)
+        embed = self.backbone.embed_tokens
+        # the token embedding without the module call where it is a plain lookup
+        self.embed = functools.partial(F.embedding, weight=embed.weight,
+                                       padding_idx=embed.padding_idx) \
+            if type(embed) is nn.Embedding and embed.max_norm is None else embed
+        self.step_layers: list[tuple] | None = None  # see _step_layers
         self.half_cos = self.half_sin = torch.empty(0)  # [T_max, 2, D/2]: see prefill
         self.freqs = torch.empty(0)  # [T_max, D/2] complex cos + i sin: see prefill
         self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
@@ -238,33 +245,51 @@ class NativeDecoder:
         """`step` on the plain layers with q, k as complex pairs, on a CPU: the same arithmetic
         as `_forward` with two-dimensional hidden states [B, H] and the one-query attention
         of `_attend_one`, in about two thirds of its operations (at a 0.7 M-parameter model
-        a decode step is mostly the cost of launching ~100 small ones)."""
+        a decode step is mostly the cost of launching ~100 small ones), each layer's weights,
+        kernels and shapes looked up once per decode call (`_step_layers`)."""
         B, column = len(tokens), self.length
         S = column + 1
-        x = self.backbone.embed_tokens(tokens)  # [B, H]
+        x = self.embed(tokens)  # [B, H]
         turns = self.turns[column - self.prompt_columns, :, None]  # [B, 1, D/2]
-        kv_heads, D = self.attention[0].kv_heads, self.attention[0].head_dim
+        D = self.attention[0].head_dim
         bias = self._step_bias(S)
-        for i, layer in enumerate(self.layers):
-            p, a = self.plain[i], self.attention[i]
-            first, second = p.norms or (None, None)
-            h = _norm(layer.input_layernorm, first, x)
-            qkv = decode_linear(h, *p.qkv)  # [B, (H + 2 H_kv) D]
-            heads = a.heads + a.kv_heads
-            qk = _rotate_pairs(qkv[:, :heads * D], heads, turns)  # [B, H + H_kv, D]
-            self.keys[i][:, :, column] = qk[:, a.heads:]
-            self.values[i][:, :, column] = qkv[:, heads * D:].view(B, kv_heads, D)
+        if self.step_layers is None:
+            self.step_layers = self._step_layers()
+        for i, (norm1, norm2, qkv, out, gate_up, down, act, heads, kv_heads, scaling) in \
+                enumerate(self.step_layers):
+            qkv = qkv[0](norm1(x), qkv[1], qkv[2])  # [B, (H + 2 H_kv) D]
+            turned = heads + kv_heads
+            # _rotate_pairs: [B, H + H_kv, D/2, 2] as complex pairs, turned, back to [B, ., D]
+            qk = torch.view_as_real(torch.view_as_complex(
+                qkv[:, :turned * D].view(B, turned, D // 2, 2)) * turns).flatten(-2)
+            self.keys[i][:, :, column] = qk[:, heads:]
+            self.values[i][:, :, column] = qkv[:, turned * D:].view(B, kv_heads, D)
             keys = self.keys[i].view(B * kv_heads, -1, D)[:, :S]  # [B H_kv, S, D]
             values = self.values[i].view(B * kv_heads, -1, D)[:, :S]
-            q = qk[:, :a.heads].reshape(B * kv_heads, a.heads // kv_heads, D)
-            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=a.scaling)
-            out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
-            x = x + decode_linear(out.view(B, -1), *p.out)
-            gate, up = decode_linear(_norm(layer.post_attention_layernorm, second, x),
-                              *p.gate_up).chunk(2, dim=-1)
-            x = x + decode_linear(p.act(gate) * up, *p.down)
+            q = qk[:, :heads].reshape(B * kv_heads, heads // kv_heads, D)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
+            attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
+            x = x + out[0](attended.view(B, -1), out[1], out[2])
+            gate, up = gate_up[0](norm2(x), gate_up[1], gate_up[2]).chunk(2, dim=-1)
+            x = x + down[0](act(gate) * up, down[1], down[2])
         self.length = S
         return self._logits(x)
+
+    def _step_layers(self) -> list[tuple]:
+        """Per layer, what `_step_pairs` computes with: the two norms as callables (one
+        `torch.rms_norm` each where `_rms_norm_of` found the weights, else the module), each
+        projection as (kernel, weight, bias) with `decode_kernel`'s choice, the activation,
+        and the attention's shapes."""
+        layers = []
+        for layer, p, a in zip(self.layers, self.plain, self.attention, strict=True):
+            norms = [functools.partial(torch.rms_norm, normalized_shape=fused[0].shape,
+                                       weight=fused[0], eps=fused[1]) if fused else module
+                     for module, fused in zip((layer.input_layernorm,
+                                               layer.post_attention_layernorm),
+                                              p.norms or (None, None), strict=True)]
+            projections = [(decode_kernel(w), w, b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
+            layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
+        return layers
 
     def keep(self, rows: Tensor) -> None:
         """Keep the rows `rows` of the cache, in that order (finished completions leave; after
