@@ -35,10 +35,9 @@ for _ in range(15):
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
-# The two settings themselves, read from glibc's own accounting (mallinfo2): where a 1 MiB
-# block comes from (the heap, or a mapping of its own above the mmap threshold) and how much
-# heap is left after 64 MiB of 8 MiB blocks are freed (kept, or given back).
-_SETTINGS = """
+# glibc's malloc, free and mallinfo2 (its own accounting) through ctypes, after the settings
+# when the script's argument is "keep".
+_MALLINFO = """
 import ctypes, sys
 from mogrpo.train.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
@@ -51,6 +50,12 @@ class Info(ctypes.Structure):
                                                "usmblks", "fsmblks", "uordblks", "fordblks",
                                                "keepcost")]
 libc.mallinfo2.restype = Info
+"""
+
+# The two settings themselves, read from glibc's own accounting (mallinfo2): where a 1 MiB
+# block comes from (the heap, or a mapping of its own above the mmap threshold) and how much
+# heap is left after 64 MiB of 8 MiB blocks are freed (kept, or given back).
+_SETTINGS = _MALLINFO + """
 before = libc.mallinfo2().hblks
 one = libc.malloc(2**20)
 mapped = libc.mallinfo2().hblks - before
@@ -93,19 +98,7 @@ def test_kept_memory_takes_large_blocks_from_the_heap_and_keeps_them():
 
 # Small blocks freed among larger ones: with fastbins on, glibc leaves them unmerged in its
 # fastbins (mallinfo2's fsmblks: their bytes) until a large request walks them all.
-_SMALL = """
-import ctypes, sys
-from mogrpo.train.host_memory import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory() is None
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                               "usmblks", "fsmblks", "uordblks", "fordblks",
-                                               "keepcost")]
-libc.mallinfo2.restype = Info
+_SMALL = _MALLINFO + """
 blocks = [libc.malloc(96) for _ in range(5000)]
 for b in blocks:
     libc.free(b)
