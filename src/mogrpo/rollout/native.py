@@ -255,9 +255,10 @@ class NativeDecoder:
         bias = self._step_bias(S)
         if self.step_layers is None:
             self.step_layers = self._step_layers()
-        for i, (norm1, norm2, qkv, out, gate_up, down, act, heads, kv_heads, scaling) in \
-                enumerate(self.step_layers):
-            qkv = qkv[0](norm1(x), qkv[1], qkv[2])  # [B, (H + 2 H_kv) D]
+        for i, (norm1, norm2, (qkv_f, qkv_w, qkv_b), (out_f, out_w, out_b),
+                (up_f, up_w, up_b), (down_f, down_w, down_b), act, heads, kv_heads,
+                scaling) in enumerate(self.step_layers):
+            qkv = qkv_f(norm1(x), qkv_w, qkv_b)  # [B, (H + 2 H_kv) D]
             turned = heads + kv_heads
             # _rotate_pairs: [B, H + H_kv, D/2, 2] as complex pairs, turned, back to [B, ., D]
             qk = torch.view_as_real(torch.view_as_complex(
@@ -269,9 +270,9 @@ class NativeDecoder:
             q = qk[:, :heads].reshape(B * kv_heads, heads // kv_heads, D)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
             attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
-            x = x + out[0](attended.view(B, -1), out[1], out[2])
-            gate, up = gate_up[0](norm2(x), gate_up[1], gate_up[2]).chunk(2, dim=-1)
-            x = x + down[0](act(gate) * up, down[1], down[2])
+            x = x + out_f(attended.view(B, -1), out_w, out_b)
+            gate, up = up_f(norm2(x), up_w, up_b).chunk(2, dim=-1)
+            x = x + down_f(act(gate) * up, down_w, down_b)
         self.length = S
         return self._logits(x)
 
@@ -282,11 +283,9 @@ class NativeDecoder:
         and the attention's shapes."""
         layers = []
         for layer, p, a in zip(self.layers, self.plain, self.attention, strict=True):
-            norms = [functools.partial(torch.rms_norm, normalized_shape=fused[0].shape,
-                                       weight=fused[0], eps=fused[1]) if fused else module
-                     for module, fused in zip((layer.input_layernorm,
-                                               layer.post_attention_layernorm),
-                                              p.norms or (None, None), strict=True)]
+            first, second = p.norms or (None, None)
+            norms = (_bound_norm(layer.input_layernorm, first),
+                     _bound_norm(layer.post_attention_layernorm, second))
             projections = [(decode_kernel(w), w, b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
             layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
         return layers
@@ -496,6 +495,17 @@ def _norm(module: nn.Module, fused: Norm | None, x: Tensor) -> Tensor:
     if fused is None or x.dtype != torch.float32:
         return module(x)
     return _rms(x, fused)
+
+
+def _bound_norm(module: nn.Module, fused: Norm | None) -> Callable[[Tensor], Tensor]:
+    """`_norm(module, fused, .)` as one call for float32 hidden states (the decode step's):
+    `torch.rms_norm` bound to the weight and eps where `_rms_norm_of` found them, else the
+    module."""
+    if fused is None:
+        return module
+    weight, eps = fused
+    return functools.partial(torch.rms_norm, normalized_shape=weight.shape, weight=weight,
+                             eps=eps)
 
 
 def _rms(x: Tensor, norm: Norm) -> Tensor:
