@@ -159,9 +159,7 @@ def decode_kernel(w: Tensor) -> Callable[[Tensor, Tensor, Tensor | None], Tensor
     weight rather than per call (a decode step of a small model is mostly call overhead)."""
     if w.is_mkldnn:
         return _packed_linear
-    if decode_on_onednn() and w.device.type == "cpu" and w.dtype == torch.float32:
-        return linear
-    return F.linear
+    return linear if decode_on_onednn() else F.linear  # (linear falls back where it must)
 
 
 def _packed_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

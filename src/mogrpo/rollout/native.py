@@ -260,9 +260,7 @@ class NativeDecoder:
                 scaling) in enumerate(self.step_layers):
             qkv = qkv_f(norm1(x), qkv_w, qkv_b)  # [B, (H + 2 H_kv) D]
             turned = heads + kv_heads
-            # _rotate_pairs: [B, H + H_kv, D/2, 2] as complex pairs, turned, back to [B, ., D]
-            qk = torch.view_as_real(torch.view_as_complex(
-                qkv[:, :turned * D].view(B, turned, D // 2, 2)) * turns).flatten(-2)
+            qk = _rotate_pairs(qkv[:, :turned * D], turned, turns)  # [B, H + H_kv, D]
             self.keys[i][:, :, column] = qk[:, heads:]
             self.values[i][:, :, column] = qkv[:, turned * D:].view(B, kv_heads, D)
             keys = self.keys[i].view(B * kv_heads, -1, D)[:, :S]  # [B H_kv, S, D]
