@@ -139,10 +139,11 @@ def _chosen_logprobs(completion: Any, ids: list[int]) -> list[float]:
                                                               strict=True)]
 
 
-def decoded_from_outputs(outputs: list[Any], num_generations: int, *, pad_id: int,
-                         record_logprobs: bool, device: torch.device | str = "cpu") -> Decoded:
-    """vLLM's `RequestOutput`s (one per prompt, K completions each) as a `Decoded`: row
-    `i * K + k` is completion k of prompt i, right-padded with `pad_id`."""
+def completion_rows(outputs: list[Any], num_generations: int, *, record_logprobs: bool
+                    ) -> tuple[list[list[int]], list[list[float]] | None]:
+    """vLLM's `RequestOutput`s (one per prompt, K completions each) as token-id rows, row
+    `i * K + k` completion k of prompt i, and each row's sampled-token log-probs (None unless
+    `record_logprobs`)."""
     rows: list[list[int]] = []
     logps: list[list[float]] = []
     for i, request in enumerate(outputs):
@@ -155,11 +156,32 @@ def decoded_from_outputs(outputs: list[Any], num_generations: int, *, pad_id: in
             rows.append(ids)
             if record_logprobs:
                 logps.append(_chosen_logprobs(completion, ids))
+    return rows, logps if record_logprobs else None
+
+
+def decoded_from_rows(rows: list[list[int]], logps: list[list[float]] | None, *, pad_id: int,
+                      device: torch.device | str = "cpu") -> Decoded:
+    """`completion_rows` as a `Decoded`, each row right-padded with `pad_id`."""
     width = max([1, *(len(r) for r in rows)])
     tokens = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
     logp = (torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logps], dtype=torch.float32)
-            if record_logprobs else None)  # [B, C]
+            if logps is not None else None)  # [B, C]
     return Decoded(tokens.to(device), 0, logp.to(device) if logp is not None else None, 0)
+
+
+def decoded_from_outputs(outputs: list[Any], num_generations: int, *, pad_id: int,
+                         record_logprobs: bool, device: torch.device | str = "cpu") -> Decoded:
+    """vLLM's `RequestOutput`s as a `Decoded`: row `i * K + k` is completion k of prompt i."""
+    rows, logps = completion_rows(outputs, num_generations, record_logprobs=record_logprobs)
+    return decoded_from_rows(rows, logps, pad_id=pad_id, device=device)
+
+
+def request_seeds(seed: int | None, num_prompts: int, num_generations: int) -> list[int] | None:
+    """One seed per request when the rollout is seeded, spaced K apart: vLLM seeds completion
+    k of a request with seed + k."""
+    if seed is None:
+        return None
+    return [seed + i * num_generations for i in range(num_prompts)]
 
 
 class VLLMEngine:
@@ -251,9 +273,8 @@ class VLLMEngine:
                 settings, n=num_generations, stop_ids=stop_ids, seed=request_seed,
                 logprobs=record_logprobs))
 
-        if seed is None:
-            return params(None)
-        return [params(seed + i * num_generations) for i in range(num_prompts)]
+        seeds = request_seeds(seed, num_prompts, num_generations)
+        return params(None) if seeds is None else [params(s) for s in seeds]
 
     def decode(self, prompts: list[list[int]], settings: SamplingSettings, *,
                num_generations: int, stop_ids: list[int], pad_id: int, seed: int | None = None,
