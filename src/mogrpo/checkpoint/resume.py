@@ -22,6 +22,8 @@ from mogrpo.config import RunConfig, flatten, to_yaml
 ALLOWED_PREFIXES = (
     "train.max_steps",
     "train.host_memory",
+    "rollout.vllm.server_url",  # where the server runs; it gets the weights before sampling
+    "rollout.vllm.server_timeout_s",
     "logging.",
     "eval.every_steps",
     "eval.print_samples",

@@ -12,7 +12,18 @@ import sys
 import traceback
 
 from mogrpo import __version__
-from mogrpo.cli import checkpoints, config, data, demo, doctor, predict, report, serve, train
+from mogrpo.cli import (
+    checkpoints,
+    config,
+    data,
+    demo,
+    doctor,
+    predict,
+    report,
+    serve,
+    train,
+    vllm_server,
+)
 from mogrpo.cli.console import setup_logging
 from mogrpo.errors import ExitCode, MogrpoError
 from mogrpo.memory import cli as memory
@@ -29,7 +40,8 @@ exit status: 0 ok; 1 internal error (a bug: traceback printed); 2 usage, config 
 3 a check found a problem (doctor, data check, checkpoints, memory, a health stop); 130 Ctrl-C
 """
 
-COMMANDS = (train, checkpoints, doctor, memory, demo, serve, report, data, predict, config)
+COMMANDS = (train, checkpoints, doctor, memory, demo, serve, vllm_server, report, data, predict,
+            config)
 """The command groups, in the order `mogrpo --help` lists them."""
 
 

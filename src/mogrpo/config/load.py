@@ -282,8 +282,11 @@ def _vllm_errors(config: RunConfig) -> list[str]:
     if config.model.load_in_4bit:
         errors.append("rollout.engine = vllm cannot follow a 4-bit policy (its weight push needs "
                       "unquantised weights); set model.load_in_4bit: false or use engine: auto")
+    if config.rollout.vllm.server_url is not None:
+        return errors  # vLLM and its GPU are the server's; the trainer only talks to it
     if config.device == "cpu":
-        errors.append("rollout.engine = vllm needs device: cuda (or auto on a GPU machine)")
+        errors.append("rollout.engine = vllm needs device: cuda (or auto on a GPU machine), "
+                      "or a vllm-server on another machine (rollout.vllm.server_url)")
     else:
         reason = vllm_unavailable_reason()
         if reason is not None:

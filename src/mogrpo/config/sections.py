@@ -225,12 +225,22 @@ class VLLMConfig(Section):
     importance_cap: float = Field(3.0, ge=1)
     """Upper bound of that per-token weight (TRL's default cap, 3.0)."""
     tensor_parallel_size: Literal[1] = 1
-    """GPUs vLLM shards the model over; colocated in the training process it is 1."""
+    """GPUs vLLM shards the model over; colocated in the training process it is 1 (and a
+    vllm-server runs on one GPU)."""
     enforce_eager: bool = False
     """Skip CUDA-graph capture: faster start, slower decoding (useful for tiny smoke runs)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """vLLM's weight dtype; `auto` = the policy's dtype. The model length is derived:
     max_prompt_length + max_completion_length."""
+    server_url: str | None = Field(None, pattern=r"^https?://[^/\s]+/?$")
+    """`http://HOST:PORT` of a `mogrpo vllm-server` on a GPU of its own: it samples the
+    rollouts and gets the policy's weights before the first rollout and after every optimizer
+    step (NCCL from a CUDA policy, else gloo). None: vLLM colocated in each training process.
+    The server's own flags (`mogrpo vllm-server --help`) then take the place of
+    gpu_memory_utilization, enforce_eager and dtype, and nothing sleeps."""
+    server_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one answer of the server (a rollout, a bucket of weights) and for its
+    joining the weight group."""
 
 
 class RolloutConfig(Section):
@@ -268,7 +278,8 @@ class RolloutConfig(Section):
     """Who generates: `native` (mogrpo's decode loop: Llama, Mistral, Qwen2/3, Gemma, Phi-3),
     `hf` (transformers' generate(), the reference), `auto` (native where the model can run on
     it, else hf with one log line saying why), `vllm` (vLLM colocated on the training GPU,
-    one engine per training process; `pip install 'mogrpo[vllm]'`, CUDA only; options under
+    one engine per training process, `pip install 'mogrpo[vllm]'`, CUDA only; or a `mogrpo
+    vllm-server` on a GPU of its own, `rollout.vllm.server_url`; options under
     `rollout.vllm`)."""
     generation_batch_size: int | None = Field(None, ge=1)
     """Completions decoded at once (prompts × K); None = the whole step's. Independent of

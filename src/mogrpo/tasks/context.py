@@ -28,7 +28,8 @@ class TrainContext:
     stop_token_ids: list[int]
     sampling: SamplingSettings
     rollout_engine: Any = None
-    """The colocated vLLM engine (`rollout.engine: vllm`), else None: the policy generates."""
+    """The vLLM engine (`rollout.engine: vllm`): colocated, or the client of a vllm-server
+    (`rollout.vllm.server_url`); else None: the policy generates."""
 
     @property
     def engine(self) -> Any:

@@ -134,7 +134,11 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
     ids = resolve_stop_ids(policy, tokenizer, SamplingSettings.from_rollout(ro))
     sampling = SamplingSettings.from_rollout(ro, stop_token_ids=ids)
     engine = None
-    if ro.engine == "vllm":  # started once the policy is on the GPU; it samples from its weights
+    if ro.engine == "vllm" and ro.vllm.server_url is not None:  # a server on its own GPU
+        from mogrpo.rollout.vllm_server import VLLMServerEngine
+
+        engine = VLLMServerEngine.create(policy, config)
+    elif ro.engine == "vllm":  # started once the policy is on the GPU; it samples from its weights
         from mogrpo.rollout.vllm_engine import VLLMEngine
 
         dist = Dist.current()
