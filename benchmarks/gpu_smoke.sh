@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke test of the rollout engines: a short GRPO run with `rollout.engine: native` and
-# `rollout.engine: vllm` on one CUDA GPU; their median step and rollout times (from each run's
+# GPU smoke test of the rollout engines: a short GRPO run with `rollout.engine: native`,
+# `rollout.engine: vllm` (colocated) and vLLM server mode (`mogrpo vllm-server`, on a second GPU
+# where there is one) on CUDA GPUs; their median step and rollout times (from each run's
 # metrics.jsonl, time/step_s and time/rollout_s) go to benchmarks/results/gpu_smoke.json.
 #
 #   benchmarks/gpu_smoke.sh [MODEL_DIR] [STEPS]
