@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
+from http_json import post_json
 from judge_server import build_seven_model, judge_options
 from mogrpo.cli.serve import add_parser
 from mogrpo.errors import ModelError
@@ -38,14 +38,7 @@ def client(server):
 
 
 def post(server, body: dict | bytes) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(f"{server.url}/chat/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return post_json(f"{server.url}/chat/completions", body)
 
 
 def test_openai_client_round_trip(served):

@@ -3,15 +3,12 @@ weights through a real gloo group of two (the trainer and the server, here two t
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from fake_vllm import FakeLLM, FakeSamplingParams
+from http_json import post_json
 from mogrpo.errors import ConfigError
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.rollout.vllm_engine import VLLMEngine
@@ -48,16 +45,6 @@ def served():
 def distinct_chars(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """A reward that differs between random completions, so advantages are not zero."""
     return [float(len(set(c))) for c in completions]
-
-
-def post(url: str, body) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def settings(**kw) -> SamplingSettings:
@@ -135,20 +122,20 @@ def test_no_server_at_the_url_is_a_config_error_that_says_how_to_start_one(model
 ])
 def test_bad_generate_requests_are_refused_with_the_reason(served, body, status, message):
     _, _, url = served
-    code, reply = post(url + "/generate", body)
+    code, reply = post_json(url + "/generate", body)
     assert code == status and message in reply["error"]
 
 
 def test_weights_before_the_group_and_unknown_routes_are_refused(served):
     _, _, url = served
-    code, reply = post(url + "/weights/load", {"tensors": [["w", "float32", [2]]]})
+    code, reply = post_json(url + "/weights/load", {"tensors": [["w", "float32", [2]]]})
     assert code == 409 and "POST /weights/group first" in reply["error"]
-    code, reply = post(url + "/weights/load", {"tensors": [["w", "complex64", [2]]]})
+    code, reply = post_json(url + "/weights/load", {"tensors": [["w", "complex64", [2]]]})
     assert code == 400 and "dtypes among" in reply["error"]
-    code, reply = post(url + "/weights/group", {"host": "127.0.0.1", "port": 1,
+    code, reply = post_json(url + "/weights/group", {"host": "127.0.0.1", "port": 1,
                                                 "backend": "mpi"})
     assert code == 400 and "gloo or nccl" in reply["error"]
-    code, reply = post(url + "/v1/chat/completions", {"messages": []})
+    code, reply = post_json(url + "/v1/chat/completions", {"messages": []})
     assert code == 404 and "/generate" in reply["error"]
 
 
@@ -161,7 +148,7 @@ def test_a_sampling_setting_vllm_refuses_is_a_400(served):
         return FakeSamplingParams(**kwargs)
 
     server.sampling_params = strict
-    code, reply = post(url + "/generate", {"prompts": [[1]], "n": 1, "sampling": {"top_p": 0}})
+    code, reply = post_json(url + "/generate", {"prompts": [[1]], "n": 1, "sampling": {"top_p": 0}})
     assert code == 400 and "top_p must be in (0, 1]" in reply["error"]
     assert llm.requests == []  # nothing reached vLLM
 
