@@ -226,3 +226,30 @@ def test_memory_command_per_process(tmp_path: Path, capsys):
     assert "fits: 29.4 of 32.0 GiB per process" in out
     assert main([str(path), "--nproc", "3"]) == 2
     assert "error: 8 prompts per step do not split over 3 processes" in capsys.readouterr().err
+
+
+def test_vllm_colocated_holds_its_share_while_sampling_and_a_server_nothing():
+    hf = estimate(LLAMA_1B, run_1b())
+    keys = lambda est: {t.key for t in est.terms}  # noqa: E731
+    assert {"kv_cache", "prefill"} <= keys(hf)
+    gpu = 40 * GIB
+    colocated = estimate(LLAMA_1B, run_1b(rollout={"engine": "vllm"}), gpu_memory=gpu)
+    # vLLM computes its KV cache and prefill inside its share: 0.3 of the GPU, while sampling
+    assert not {"kv_cache", "prefill"} & keys(colocated)
+    assert colocated["vllm"] == int(0.3 * gpu)
+    assert colocated.phase("generation") == int(0.3 * gpu)
+    assert colocated.total == colocated.phase("always") + max(
+        colocated.phase(p) for p in ("generation", "training", "optimizer step"))
+    awake = estimate(LLAMA_1B, run_1b(rollout={"engine": "vllm", "vllm": {
+        "sleep_during_update": False, "gpu_memory_utilization": 0.25}}), gpu_memory=gpu)
+    assert awake.phase("always") == colocated.phase("always") + int(0.25 * gpu)  # never freed
+    unknown = estimate(LLAMA_1B, run_1b(rollout={"engine": "vllm"}))
+    assert "vllm" not in keys(unknown)
+    assert any("vLLM's share not counted" in a and "--gpu-memory" in a
+               for a in unknown.assumptions)
+    server = estimate(LLAMA_1B, run_1b(rollout={"engine": "vllm", "vllm": {
+        "server_url": "http://10.0.0.7:8100"}}), gpu_memory=gpu)
+    assert not {"kv_cache", "prefill", "vllm"} & keys(server)
+    assert server.phase("generation") == 0 and server.phase("always") == hf.phase("always")
+    assert server.total == hf.phase("always") + max(hf.phase("training"),
+                                                    hf.phase("optimizer step"))

@@ -92,7 +92,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     shape = Architecture.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
     nproc = args.nproc
-    result = estimate(shape, config, reward_models=rms, nproc=nproc)
+    result = estimate(shape, config, reward_models=rms, nproc=nproc, gpu_memory=gpu)
     print(result.table())
     if gpu is None:
         print("\nno GPU given or visible: pass --gpu-memory 24GB to check the fit")
@@ -105,10 +105,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     hint = f" ({args.gpu_memory} = decimal units; write GiB for binary)" if decimal else ""
     print(f"\ndoes not fit: {result.total / GIB:.1f} GiB{each} > {gpu / GIB:.1f} GiB{hint}. "
           "Changes, cumulative, cheapest first:")
-    steps = ladder(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n), config, gpu, nproc)
+    steps = ladder(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n, gpu_memory=gpu),
+                   config, gpu, nproc)
     _print_steps(steps, each)
-    wider = scale_out(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n), config, gpu,
-                      nproc)
+    wider = scale_out(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n,
+                                            gpu_memory=gpu), config, gpu, nproc)
     if wider:
         print("or, at no cost in quality, on more GPUs (one process each):")
         _print_steps([wider], " per process")

@@ -199,7 +199,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
              dtype_bytes: int | None = None, device: str = "cuda",
              master_weights: bool = False,
              reward_models: Mapping[str, Any] | None = None,
-             nproc: int = 1) -> MemoryEstimate:
+             nproc: int = 1, gpu_memory: int | None = None) -> MemoryEstimate:
     """Estimate the peak memory of `run` on one `device` ("cuda" or "cpu") for this model,
     per process when `nproc` processes train together (`distributed.strategy`).
 
@@ -211,7 +211,8 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     config (see :func:`reward_model_configs`); one left out is not counted, and said so.
     Several processes split the step's completions (each generates and trains on its share);
     `ddp` replicates the model, gradients and AdamW state, `fsdp` shards them (see
-    :func:`_fsdp_terms` for what it gathers).
+    :func:`_fsdp_terms` for what it gathers). `gpu_memory` (bytes of one GPU) sizes a
+    colocated vLLM engine's share (`_vllm_terms`).
     """
     from mogrpo.modeling.architecture import Architecture
 
@@ -239,6 +240,8 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         terms += _fsdp_terms(shape, run, c)
     rm_terms, rm_notes = _reward_model_terms(run, reward_models or {}, device, w)
     terms += rm_terms
+    vllm_terms, vllm_notes = _vllm_terms(run, gpu_memory)
+    terms += vllm_terms
     terms.sort(key=lambda t: PHASES.index(t.phase))  # stable: resident first, then by phase
     prompt, completion = derive_lengths(run.rollout)
     where = "" if strategy == "none" else (
@@ -257,7 +260,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
         "gradients resident: from the 2nd micro-batch and through the next generation on "
         "(with accumulation 1, the 1st micro-batch peaks before they exist)",
-        *layout.assumptions(), *rm_notes]
+        *layout.assumptions(), *rm_notes, *vllm_notes]
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, layout.micro_batch, prompt + completion,
                                     completion + 1)[0] for gc in (False, True)}
@@ -384,14 +387,16 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     n_gen = layout.rows  # this process's prompts × K, generated at once
     kv_token = 2 * shape.layers * shape.kv_dim * p
     terms: list[Term] = []
-    _add(terms, "kv_cache", "KV cache (generation)", kv_token * seq * n_gen, "generation",
-         f"{n_gen} seqs × {seq} tokens × {kv_token / 1024:.0f} KiB ({shape.kv_heads} KV heads)")
-    # no_grad prefill: one layer's residual, normed input and MLP (gate, up, act | fc1, act) at
-    # a time; last-token logits
-    mlp = (3 if shape.gated_mlp else 2) * shape.intermediate
-    _add(terms, "prefill", "prefill working set",
-         n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12,
-         "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a time")
+    if run.rollout.engine != "vllm":  # vLLM's KV cache and prefill are in its share
+        _add(terms, "kv_cache", "KV cache (generation)", kv_token * seq * n_gen, "generation",
+             f"{n_gen} seqs × {seq} tokens × {kv_token / 1024:.0f} KiB "
+             f"({shape.kv_heads} KV heads)")
+        # no_grad prefill: one layer's residual, normed input and MLP (gate, up, act | fc1,
+        # act) at a time; last-token logits
+        mlp = (3 if shape.gated_mlp else 2) * shape.intermediate
+        _add(terms, "prefill", "prefill working set",
+             n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12,
+             "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a time")
     act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1)
     how = "checkpointed" if run.model.gradient_checkpointing else "no checkpointing"
     _add(terms, "activations", "activations (training)", act, "training",
@@ -410,6 +415,29 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
         _add(terms, "sft_logits", "SFT logits", sft.batch_size * sft.max_length * shape.vocab * (
             p + 4 + (4 if p < 4 else 0)), "SFT warm-up", "logits, fp32 copy and log-softmax")
     return terms
+
+
+def _vllm_terms(run: RunConfig, gpu_memory: int | None) -> tuple[list[Term], list[str]]:
+    """`rollout.engine: vllm`: a colocated engine takes gpu_memory_utilization of the GPU for
+    its weights and KV cache while it samples (all the time without sleep_during_update); a
+    vllm-server takes nothing of this GPU."""
+    if run.rollout.engine != "vllm":
+        return [], []
+    vc = run.rollout.vllm
+    if vc.server_url is not None:
+        return [], ["rollouts sampled by the vllm-server at rollout.vllm.server_url: no KV "
+                    "cache or generation memory on this GPU"]
+    if gpu_memory is None:
+        return [], [f"vLLM's share not counted (rollout.vllm.gpu_memory_utilization "
+                    f"{vc.gpu_memory_utilization} of a GPU whose size is not known): pass "
+                    "--gpu-memory"]
+    terms: list[Term] = []
+    _add(terms, "vllm", "vLLM engine (weights + KV cache)",
+         vc.gpu_memory_utilization * gpu_memory,
+         "generation" if vc.sleep_during_update else "always",
+         f"{vc.gpu_memory_utilization:.0%} of {gpu_memory / GIB:.0f} GiB"
+         + ("; asleep outside the rollout" if vc.sleep_during_update else "; never released"))
+    return terms, []
 
 
 def reward_model_specs(run: RunConfig) -> dict[str, dict[str, Any]]:

@@ -300,8 +300,10 @@ def best_checkpoint(run_dir: Path, step: int, sft_done: bool, config: RunConfig)
 def _memory_estimate(ctx: TrainContext, config: RunConfig) -> float | None:
     """The planner's estimate for this run, logged next to the measured peak of each step."""
     try:
+        gpu = torch.cuda.get_device_properties(ctx.device).total_memory \
+            if ctx.device.type == "cuda" else None
         est = estimate(ctx.policy.config, config, device=ctx.device.type,
-                       reward_models=reward_model_configs(config))
+                       reward_models=reward_model_configs(config), gpu_memory=gpu)
     except MogrpoError as err:  # e.g. an architecture the planner does not model
         log.info("memory estimate unavailable: %s", err)
         return None
