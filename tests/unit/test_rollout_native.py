@@ -147,7 +147,8 @@ def test_generation_batch_size_splits_without_changing_greedy_output(tok, monkey
     whole = rollout(model, tok, "native", k=3, greedy=True, max_new_tokens=8)
     builds = []
     build = native.plain_projections
-    monkeypatch.setattr(native, "plain_projections", lambda *a: builds.append(1) or build(*a))
+    monkeypatch.setattr(native, "plain_projections",
+                        lambda *a, **kw: builds.append(1) or build(*a, **kw))
     decoders = []
     prefill = native.NativeDecoder.prefill
 
@@ -163,6 +164,23 @@ def test_generation_batch_size_splits_without_changing_greedy_output(tok, monkey
     # 12 rows in batches of 5: three decode calls on one fusion and packing of the weights
     assert len(decoders) == 3 and len(builds) == 1
     assert decoders[0].plain is decoders[2].plain is not None
+
+
+def test_weight_copies_follow_the_callers_budget(tok):
+    """The native engine decodes on fused, packed copies of the weights up to a budget (by
+    default PLAIN_MAX_BYTES), beyond it through the model's modules, with the same tokens."""
+    from mogrpo.rollout import native
+
+    model = family_model("qwen2", tok)
+    linear = sum(m.weight.numel() * 4 for m in model.model.layers.modules()
+                 if isinstance(m, torch.nn.Linear))
+    assert native.decode_projections(model).layers is not None  # far below the default
+    assert native.decode_projections(model, linear).layers is not None
+    assert native.decode_projections(model, linear - 1).layers is None
+    settings = SamplingSettings(greedy=True, max_new_tokens=8)
+    runs = [generate_rollout(model, tok, PROMPTS, settings, num_generations=2,
+                             max_prompt_length=32, plain_max_bytes=b) for b in (None, 1)]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
 
 
 FLAG_SETS = [

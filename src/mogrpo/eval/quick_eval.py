@@ -74,7 +74,7 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
             rollout = generate_rollout(
                 ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
                 max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
-                engine=ctx.engine,
+                engine=ctx.engine, plain_max_bytes=ctx.plain_max_bytes,
             )
             values = score_examples([fn], chunk, rollout.texts, rollout.completion_ids,
                                     rollout.lengths.tolist(), rollout.truncated.tolist(),

@@ -258,8 +258,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         if eager else "fused SDPA/flash attention (no s×s scores kept)",
         "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
-        "gradients resident: from the 2nd micro-batch and through the next generation on "
-        "(with accumulation 1, the 1st micro-batch peaks before they exist)",
+        "gradients counted as resident: they exist from the 2nd micro-batch to the optimizer "
+        "step (with accumulation 1, the 1st micro-batch peaks before they exist) and are freed "
+        "before the next generation, so its figure is an upper bound",
         *layout.assumptions(), *rm_notes, *vllm_notes]
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, layout.micro_batch, prompt + completion,

@@ -337,6 +337,7 @@ def _decode_batches(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     settings: SamplingSettings, chosen: str, *, stop_ids: list[int], pad_id: int,
     generator_seed: int | None, generation_batch_size: int | None, record_logprobs: bool,
+    plain_max_bytes: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
     """Decode [B, P] prompt rows in batches of `generation_batch_size` with `native` or `hf`.
     Returns (token parts, log-prob parts, non-finite logits replaced, rows reset)."""
@@ -353,7 +354,7 @@ def _decode_batches(
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
         # the weights do not change between the batches: fused and packed once for all of them
-        projections = decode_projections(model) if chosen == "native" and step < rows else None
+        projections = decode_projections(model, plain_max_bytes) if chosen == "native" else None
         for start in range(0, rows, step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             if chosen == "native":
@@ -381,6 +382,7 @@ def generate_rollout(
     engine: str | ExternalEngine = "auto",
     generation_batch_size: int | None = None,
     record_logprobs: bool = False,
+    plain_max_bytes: int | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt.
 
@@ -389,7 +391,8 @@ def generate_rollout(
     which batches on its own). `generation_batch_size` caps the completions decoded at
     once (None: all). `generator_seed` makes the sample reproducible without disturbing the
     global RNG stream. `record_logprobs` (native and vllm engines) keeps each token's
-    sampling-time log-prob in `Rollout.sampler_logp`.
+    sampling-time log-prob in `Rollout.sampler_logp`. `plain_max_bytes` bounds the weight
+    copies the native engine makes to decode faster (None: its default, `PLAIN_MAX_BYTES`).
     """
     if num_generations < 1:
         raise ConfigError(f"num_generations = {num_generations} must be >= 1")
@@ -442,7 +445,7 @@ def generate_rollout(
         parts, logps, nonfinite, rows_reset = _decode_batches(
             model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
             generator_seed=generator_seed, generation_batch_size=generation_batch_size,
-            record_logprobs=record_logprobs)
+            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
     else:  # vLLM batches itself: one request per prompt, n = K completions each
         chosen = "external"
         unpadded = [ids[mask.bool()].tolist()

@@ -32,6 +32,16 @@ class TrainContext:
     (`rollout.vllm.server_url`); else None: the policy generates."""
 
     @property
+    def plain_max_bytes(self) -> int | None:
+        """The weight copies the native engine may make to decode: unbounded for full
+        fine-tuning on a CPU, where the trainer frees the gradients after every update and
+        the copies (fused, packed linear weights) fit in their room; else the engine's cap
+        (None: `PLAIN_MAX_BYTES`), for LoRA merges a whole copy the run otherwise never holds."""
+        mc = self.config.model
+        full = not self.config.lora.enabled and not mc.load_in_4bit
+        return 1 << 62 if full and self.device.type == "cpu" else None
+
+    @property
     def engine(self) -> Any:
         """What `generate_rollout` gets as `engine`: the vLLM engine, or the configured name."""
         return self.rollout_engine if self.rollout_engine is not None \

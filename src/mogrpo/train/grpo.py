@@ -133,6 +133,7 @@ class GRPOTrainer:
                 engine=self.ctx.engine,
                 generation_batch_size=self.config.rollout.generation_batch_size,
                 record_logprobs=self._sampler_correction,
+                plain_max_bytes=self.ctx.plain_max_bytes,
             )
 
     @property
@@ -363,9 +364,9 @@ class GRPOTrainer:
                 log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
             self.scheduler.step()
             totals["grad_norm"] += float(grad_norm) / algo.num_iterations
-        if self.ctx.rollout_engine is not None:
-            # free the gradients now rather than at the next step: vLLM wakes into that memory
-            self.optimizer.zero_grad(set_to_none=True)
+        # free the gradients now rather than at the next update: the rollout in between uses
+        # that memory (vLLM wakes into it; the native engine's weight copies, the KV cache)
+        self.optimizer.zero_grad(set_to_none=True)
         tokens = max(totals["tokens"], 1)
         metrics = {
             names.LOSS: totals["loss"],
