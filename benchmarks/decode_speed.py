@@ -8,6 +8,9 @@ every row decodes the full budget and both engines do the same number of tokens.
     python benchmarks/decode_speed.py                     # all sizes, 5 repeats
     python benchmarks/decode_speed.py --sizes small --repeats 3
 
+The process's malloc keeps freed memory (`train.host_memory: keep`, which `mogrpo train`,
+`predict` and `serve` set on a CPU), for both engines alike.
+
 Writes benchmarks/results/decode_speed.json and .md: median tokens/s per engine by wall time
 and by process CPU time (with one torch thread, CPU time is the work done, and what other load
 on a shared machine disturbs least), and the ratios native / hf with the min-max of the
@@ -29,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "vs_trl"))
@@ -63,6 +67,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_speed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # the process's malloc keeps freed memory, as in `mogrpo train`, `predict` and `serve` on a
+    # CPU; both engines run in this process under the same setting
+    host_memory = "keep" if keep_freed_memory() is None else "C library defaults"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         built = workload.build_models(Path(tmp), args.sizes, 0)
@@ -100,7 +107,7 @@ def main() -> None:
                   f"tok/s x{r['cpu_ratio']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
-            "cpu": cpu_name()}
+            "cpu": cpu_name(), "host_memory": host_memory}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| size | parameters | batch × tokens | generate() tok/s (wall / CPU) | "
              "native tok/s (wall / CPU) | native / generate by wall time | "
@@ -113,7 +120,8 @@ def main() -> None:
                      f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | **{r['cpu_ratio']:.2f}×** "
                      f"({r['cpu_ratio_min']:.2f}–{r['cpu_ratio_max']:.2f}) |")
     lines.append(f"\nCPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
-                 f"{args.repeats} repeats alternated.")
+                 f"{args.repeats} repeats alternated; host memory: {meta['host_memory']} "
+                 "(both engines, as `mogrpo train`, `predict` and `serve` run on a CPU).")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -175,3 +175,14 @@ def test_close_stops_serving(seven):
     assert not thread.is_alive() and not server.batcher.thread.is_alive()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/models", timeout=2)
+
+
+def test_on_a_cpu_requests_reuse_freed_memory_as_training_steps_do(seven, monkeypatch):
+    import mogrpo.serve.server as serve_server
+
+    calls = []
+    monkeypatch.setattr(serve_server, "apply_host_memory", lambda *a: calls.append(a))
+    server, thread = start_server(str(seven), port=0, max_new_tokens=4)
+    server.close()
+    thread.join(timeout=10)
+    assert calls == [("auto", "cpu")]  # train.host_memory's default, for this device

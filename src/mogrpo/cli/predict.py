@@ -90,6 +90,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         settings.max_prompt_length = max(1, context - settings.max_new_tokens)
     if torch.cuda.is_available():
         model = model.to("cuda")
+    from mogrpo.train.host_memory import apply_host_memory
+
+    # on a CPU, batch after batch reuses the memory the last one freed (as training steps do)
+    apply_host_memory("auto", next(model.parameters()).device.type)
     predictions = predict(model, tokenizer, examples, ids, settings, batch_size=args.batch_size,
                           fallback=fallback)
     details = args.details or args.out.with_name(args.out.stem + ".details.jsonl")

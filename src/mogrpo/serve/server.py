@@ -27,6 +27,7 @@ from mogrpo.modeling.chat import has_chat_template, render_prompt
 from mogrpo.modeling.load import load_policy, resolve_model_dir
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.serve.api import RequestError, completion_response, make_handler, parse_request
+from mogrpo.train.host_memory import apply_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,8 @@ def start_server(
     model, tokenizer = load_policy(directory, dtype=dtype)
     if torch.cuda.is_available():
         model = model.to("cuda")
+    # on a CPU, request after request reuses the memory the last one freed (as training steps do)
+    apply_host_memory("auto", next(model.parameters()).device.type)
     name = model_name or Path(directory.rstrip("/")).name or directory
     batcher = Batcher(model, tokenizer, max_batch=max_batch)
     try:
