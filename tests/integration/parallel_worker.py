@@ -106,6 +106,16 @@ def run_case(strategy: str, aggregation: str, mu: int, lora: bool, model: Path, 
             ro = generate_rollout(ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
                                   max_prompt_length=32, add_special_tokens=special, engine=engine)
         result[f"greedy_{engine}"] = ro.completion_ids
+    params = [p for p in ctx.policy.parameters() if p.requires_grad]
+    grads_held: list[int] = []  # per optimizer step: gradient elements this process holds
+    optimizer_step = trainer.optimizer.step
+
+    def step_and_count(*args, **kwargs):
+        if parallel.is_fsdp:  # the update frees the gradients after the step
+            grads_held.append(parallel.local_numel([p.grad for p in params]))
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizer.step = step_and_count
     losses, grad_norms, update_norms, micro = [], [], [], []
     vocab, pad = ctx.policy.config.vocab_size, ctx.tokenizer.pad_token_id
     for step in range(STEPS):
@@ -118,13 +128,12 @@ def run_case(strategy: str, aggregation: str, mu: int, lora: bool, model: Path, 
         update_norms.append(metrics[names.UPDATE_NORM])
     result.update(losses=losses, grad_norms=grad_norms, update_norms=update_norms,
                   micro_batches=dist.gather(micro))
-    params = [p for p in ctx.policy.parameters() if p.requires_grad]
     if parallel.is_fsdp:
         weights = full_weights(parallel)
         state = [t for s in trainer.optimizer.state.values() for t in s.values()
                  if torch.is_tensor(t) and t.dim() > 0]
         result["local"] = {"params": parallel.local_numel(params),
-                           "grads": parallel.local_numel([p.grad for p in params]),
+                           "grads": grads_held[-1],
                            "adam": parallel.local_numel(state),
                            "full": sum(w.numel() for w in weights.values())}
     else:
