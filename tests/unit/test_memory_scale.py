@@ -253,3 +253,25 @@ def test_vllm_colocated_holds_its_share_while_sampling_and_a_server_nothing():
     assert server.phase("generation") == 0 and server.phase("always") == hf.phase("always")
     assert server.total == hf.phase("always") + max(hf.phase("training"),
                                                     hf.phase("optimizer step"))
+
+
+def test_a_vllm_run_is_planned_on_a_machine_without_vllm_or_a_gpu(tmp_path: Path, capsys):
+    from mogrpo.cli import main as mogrpo
+    from mogrpo.rollout.vllm_engine import vllm_unavailable_reason
+
+    assert vllm_unavailable_reason() is not None  # this machine could not run it
+    model = tmp_path / "llama-1b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_1B), encoding="utf-8")
+    data = run_1b(rollout={"engine": "vllm"}).model_dump(mode="json")
+    data["model"]["name_or_path"] = str(model)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    assert main([str(path), "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM engine (weights + KV cache)    24.00  generation      30% of 80 GiB" in out
+    assert "peak                                48.02  = always 24.02 + generation 24.00" in out
+    assert mogrpo(["config", "show", str(path)]) == 0
+    capsys.readouterr()
+    assert mogrpo(["train", str(path)]) == 2  # training it here is refused, with the reason
+    assert "vLLM is not installed" in capsys.readouterr().err

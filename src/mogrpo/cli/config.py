@@ -31,7 +31,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_show(args: argparse.Namespace) -> int:
     from mogrpo.config import describe, load_config
 
-    config, origin = load_config(args.config, args.overrides)
+    config, origin = load_config(args.config, args.overrides, machine=False)
     rows = describe(config, origin)
     width = max(len(key) for key, _, _ in rows)
     for key, value, source in rows:

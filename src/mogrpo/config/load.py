@@ -122,11 +122,16 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     base: Mapping[str, Any] | None = None,
     arguments: Mapping[str, Any] | None = None,
+    *,
+    machine: bool = True,
 ) -> tuple[RunConfig, dict[str, str]]:
     """Resolve defaults < `base` < file < environment < `arguments` (keyword arguments of
     `mogrpo.Config`) < `--set` into a validated RunConfig.
 
-    Returns the config and the origin of every value that did not come from the defaults.
+    `machine=False` leaves out what only this machine decides (vLLM installed, a CUDA GPU), for
+    commands that read a config meant for another machine (`memory`, `config show`,
+    `data check`). Returns the config and the origin of every value that did not come from
+    the defaults.
     """
     sourced = Sourced()
     if base:
@@ -145,7 +150,7 @@ def load_config(
         config = RunConfig.model_validate(sourced.data)
     except ValidationError as err:
         raise ConfigError(_format_validation(err, sourced.origin)) from None
-    validate(config)
+    validate(config, machine=machine)
     return config, sourced.origin
 
 
@@ -201,8 +206,9 @@ def _format_validation(err: ValidationError, origin: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def validate(config: RunConfig) -> None:
-    """Cross-field checks; every message names the field, the value and the fix."""
+def validate(config: RunConfig, *, machine: bool = True) -> None:
+    """Cross-field checks; every message names the field, the value and the fix. `machine`:
+    also what this machine must have for the run (see `load_config`)."""
     errors: list[str] = []
     ro, tr = config.rollout, config.train
     if not config.model.name_or_path:
@@ -216,7 +222,7 @@ def validate(config: RunConfig) -> None:
             )
     errors.extend(_task_control_errors(config))
     if ro.engine == "vllm":
-        errors.extend(_vllm_errors(config))
+        errors.extend(_vllm_errors(config, machine))
     if ro.num_generations < 2:
         errors.append(
             f"rollout.num_generations = {ro.num_generations}: GRPO needs at least 2 completions "
@@ -268,8 +274,9 @@ def validate(config: RunConfig) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
-def _vllm_errors(config: RunConfig) -> list[str]:
-    """`rollout.engine: vllm`: settings vLLM cannot honour, then the machine (vLLM and CUDA)."""
+def _vllm_errors(config: RunConfig, machine: bool = True) -> list[str]:
+    """`rollout.engine: vllm`: settings vLLM cannot honour, then (with `machine`) the machine:
+    vLLM and CUDA."""
     from mogrpo.rollout.vllm_engine import PENALTY_RANGE, vllm_unavailable_reason
 
     errors = []
@@ -287,7 +294,7 @@ def _vllm_errors(config: RunConfig) -> list[str]:
     if config.device == "cpu":
         errors.append("rollout.engine = vllm needs device: cuda (or auto on a GPU machine), "
                       "or a vllm-server on another machine (rollout.vllm.server_url)")
-    else:
+    elif machine:
         reason = vllm_unavailable_reason()
         if reason is not None:
             errors.append(reason)

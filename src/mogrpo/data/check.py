@@ -150,7 +150,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     if path.suffix.lower() in (".yaml", ".yml"):
         from mogrpo.config import load_config
 
-        config = load_config(path, args.overrides)[0]
+        config = load_config(path, args.overrides, machine=False)[0]
         checks = _tasks_of(config, path, args.strict)
         limit = config.rollout.prompt_length
     else:

@@ -78,7 +78,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """The `mogrpo memory` command: print the table and, when over budget, the ladder."""
-    config, _ = load_config(args.config, args.overrides)  # before torch: errors in a second
+    # before torch: errors in a second; the run may be meant for another machine (a GPU's)
+    config, _ = load_config(args.config, args.overrides, machine=False)
     import torch
 
     model_config = load_model_config(config.model.name_or_path,
