@@ -169,8 +169,9 @@ How to read the errors:
   backward (full fine-tuning 512 × 6: measured 676 MiB = activations + logits 666 MiB + almost
   no gradients; the estimate with all 104 MiB of them is +14 %); with checkpointing activations
   are small and the peak comes later, with about 60 % of the gradients. From the second
-  micro-batch of an accumulation on, and during the next generation, all are resident, so the
-  planner keeps them: it errs high (up to +16 %), low by at most ~1 %. LoRA's gradients are
+  micro-batch of an accumulation on, and through the optimizer step, all are resident, so the
+  planner keeps them in training: it errs high (up to +16 %), low by at most ~1 %. (The trainer
+  frees them after the step, so the planner leaves them out of the next generation.) LoRA's gradients are
   tiny: within ±3 %.
 - What RSS adds that the planner does not model: glibc and torch's CPU allocator (rounding,
   per-thread arenas; MALLOC_MMAP_THRESHOLD_ keeps that small here), kernel workspaces, and Python

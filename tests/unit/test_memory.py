@@ -156,7 +156,9 @@ def test_sft_warm_up_phase():
     assert est["sft_activations"] == 1800 * 28 * 103_424 + head
     # bf16 logits, their fp32 upcast in HF's loss and the fp32 log-softmax: 2 + 4 + 4 B
     assert est["sft_logits"] == 2 * 900 * 151_936 * 10
-    assert est.phase("SFT warm-up") == est["sft_activations"] + est["sft_logits"]
+    # the warm-up's gradients too (they go before the first rollout)
+    assert est.phase("SFT warm-up") == est["sft_activations"] + est["sft_logits"] + \
+        est["gradients"]
 
 
 def test_ladder_shrinks_the_sft_batch_when_the_warm_up_is_the_peak():

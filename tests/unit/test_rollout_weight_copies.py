@@ -57,3 +57,17 @@ def test_each_rollout_starts_without_gradients_and_with_the_runs_copy_budget(
     # the second rollout comes after an update: its gradients were freed, not kept for later
     assert seen == [(budget, True), (budget, True)]
     assert all(p.grad is None for p in trainer.ctx.policy.parameters())
+
+
+def test_the_sft_warm_up_leaves_no_gradients_for_the_first_rollout(tmp_path, tiny_model_dir):
+    from mogrpo.tracking.jsonl import MetricsWriter
+    from mogrpo.train.sft import run_sft
+
+    trainer = trainer_for(tmp_path, tiny_model_dir, lora=False)
+    ctx = trainer.ctx
+    ctx.config.sft.steps, ctx.config.sft.batch_size = 2, 2
+    before = {n: p.detach().clone() for n, p in ctx.policy.named_parameters()}
+    with MetricsWriter(tmp_path / "sft.jsonl") as writer:
+        run_sft(ctx, writer)
+    assert any(not (p == before[n]).all() for n, p in ctx.policy.named_parameters())  # trained
+    assert all(p.grad is None for p in ctx.policy.parameters())

@@ -78,6 +78,9 @@ class Term:
     bytes: int
     phase: str
     note: str
+    also: tuple[str, ...] = ()
+    """Further phases the term is held in (the gradients: training, the optimizer step and
+    the SFT warm-up, but not generation)."""
 
 
 @dataclass
@@ -94,7 +97,7 @@ class MemoryEstimate:
         return next(t.bytes for t in self.terms if t.key == key)
 
     def phase(self, name: str) -> int:
-        return sum(t.bytes for t in self.terms if t.phase == name)
+        return sum(t.bytes for t in self.terms if t.phase == name or name in t.also)
 
     @property
     def total(self) -> int:
@@ -258,9 +261,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         if eager else "fused SDPA/flash attention (no s×s scores kept)",
         "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
         else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
-        "gradients counted as resident: they exist from the 2nd micro-batch to the optimizer "
-        "step (with accumulation 1, the 1st micro-batch peaks before they exist) and are freed "
-        "before the next generation, so its figure is an upper bound",
+        "gradients held in training from the 1st micro-batch on (they exist from its backward; "
+        "with accumulation 1 its forward peaks before them), through the optimizer step, and "
+        "freed before the next generation",
         *layout.assumptions(), *rm_notes, *vllm_notes]
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, layout.micro_batch, prompt + completion,
@@ -301,8 +304,12 @@ def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
         _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * ADAPTER_BYTES / n, "always",
              f"{n_lora / 1e6:.1f} M × 4 B (fp32), {len(modules)} modules "
              f"({', '.join(sorted({m.leaf for m in modules}))}){per}")
-    _add(terms, "gradients", "gradients", trainable * t_bytes / n, "always",
-         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}")
+    # held from the first backward to the optimizer step; the trainer frees them before the
+    # next rollout (and after the SFT warm-up)
+    _add(terms, "gradients", "gradients", trainable * t_bytes / n, "training",
+         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; also in the optimizer step "
+         "and SFT, freed before generation")
+    terms[-1].also = ("optimizer step", "SFT warm-up")
     if layout.strategy == "ddp":
         _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
              "gradients copied into buckets for the all-reduce")

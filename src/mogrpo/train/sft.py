@@ -124,4 +124,5 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
             bar.update({names.LOSS: loss_value})
             if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
                 log.info("SFT step %d/%d | loss %.4f", step, cfg.steps, loss_value)
+    optimizer.zero_grad(set_to_none=True)  # the gradients end with the warm-up, not at GRPO's
     return {"sft/final_loss": loss_value, "sft/examples": len(data)}
