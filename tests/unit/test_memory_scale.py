@@ -208,14 +208,20 @@ def test_ladder_shards_the_processes_already_launched():
     assert not any(s.change.startswith("shard") for s in ladder(fn, run_1b(), 20 * GIB))
 
 
-def test_memory_command_per_process(tmp_path: Path, capsys):
+def write_run(tmp_path: Path, run: RunConfig) -> Path:
+    """`run` as a config file whose model is a folder holding Llama-1B's config.json."""
     model = tmp_path / "llama-1b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA_1B), encoding="utf-8")
-    data = run_1b().model_dump(mode="json")
+    data = run.model_dump(mode="json")
     data["model"]["name_or_path"] = str(model)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def test_memory_command_per_process(tmp_path: Path, capsys):
+    path = write_run(tmp_path, run_1b())
     assert main([str(path), "--gpu-memory", "32GiB"]) == 3
     out = capsys.readouterr().out
     assert "does not fit: 38.3 GiB > 32.0 GiB" in out
@@ -264,13 +270,7 @@ def test_a_vllm_run_is_planned_on_a_machine_without_vllm_or_a_gpu(tmp_path: Path
     from mogrpo.rollout.vllm_engine import vllm_unavailable_reason
 
     assert vllm_unavailable_reason() is not None  # this machine could not run it
-    model = tmp_path / "llama-1b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA_1B), encoding="utf-8")
-    data = run_1b(rollout={"engine": "vllm"}).model_dump(mode="json")
-    data["model"]["name_or_path"] = str(model)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    path = write_run(tmp_path, run_1b(rollout={"engine": "vllm"}))
     assert main([str(path), "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "vLLM engine (weights + KV cache)    24.00  generation      30% of 80 GiB" in out
