@@ -15,6 +15,7 @@ from mogrpo.rollout.vllm_engine import VLLMEngine
 from mogrpo.rollout.vllm_server import (
     RolloutServer,
     VLLMServerEngine,
+    _address_toward,
     start_rollout_server,
     weight_backend,
 )
@@ -215,3 +216,14 @@ def test_training_steps_sample_from_the_server_and_push_after_each_optimizer_ste
 ])
 def test_weights_go_over_nccl_only_between_two_gpus(device, server_gpu, own_gpu, backend):
     assert weight_backend(torch.device(device), server_gpu, own_gpu) == backend
+
+
+def test_the_weight_group_is_hosted_at_the_address_the_server_reaches():
+    for url in ("http://127.0.0.1:8100", "http://localhost:8100/", "http://[::1]:8100"):
+        assert _address_toward(url) == "127.0.0.1"
+    try:  # the interface the route out leaves by (no packet is sent)
+        remote = _address_toward("http://192.0.2.7:8100")
+    except ConfigError as err:  # a machine with no route at all
+        assert "no route from this machine to 192.0.2.7" in str(err)
+    else:
+        assert remote != "127.0.0.1" and remote.count(".") == 3

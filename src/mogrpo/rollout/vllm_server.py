@@ -452,6 +452,10 @@ def _address_toward(url: str) -> str:
             return "127.0.0.1"
     except ValueError:  # a name
         pass
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, urllib.parse.urlsplit(url).port or 80))
-        return probe.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, urllib.parse.urlsplit(url).port or 80))
+            return probe.getsockname()[0]
+    except OSError as err:  # no route (or an IPv6-only host): say so rather than hang later
+        raise ConfigError(f"rollout.vllm.server_url = {url}: no route from this machine to "
+                          f"{host} for the weight group ({err})") from None
