@@ -34,7 +34,7 @@ def model(tiny_model_dir):
 def served():
     """(the fake LLM, the RolloutServer, its URL), stopped after the test."""
     llm = FakeLLM()
-    server = RolloutServer(llm, FakeSamplingParams, model="tiny", max_model_len=64,
+    server = RolloutServer(llm, FakeSamplingParams, model="tiny", max_model_len=4096,
                            timeout_s=30)
     http, _ = start_rollout_server(server, "127.0.0.1", 0)
     host, port = http.server_address[:2]
@@ -56,7 +56,7 @@ def settings(**kw) -> SamplingSettings:
 def test_rollouts_from_the_server_match_the_colocated_engine_row_for_row(served, model):
     llm, _, url = served
     client = VLLMServerEngine(url, model, timeout_s=30)
-    assert client.info == {"model": "tiny", "max_model_len": 64, "gpu": None}
+    assert client.info == {"model": "tiny", "max_model_len": 4096, "gpu": None}
     kwargs = dict(num_generations=K, stop_ids=[13, 17], pad_id=0, seed=40, record_logprobs=True)
     remote = client.decode(PROMPTS, settings(), **kwargs)
     local = VLLMEngine(FakeLLM(), FakeSamplingParams, model, sleep_during_update=False).decode(
@@ -227,3 +227,26 @@ def test_the_weight_group_is_hosted_at_the_address_the_server_reaches():
         assert "no route from this machine to 192.0.2.7" in str(err)
     else:
         assert remote != "127.0.0.1" and remote.count(".") == 3
+
+
+def test_a_server_too_short_for_the_rollout_stops_the_run_before_any_step(
+        tmp_path, tiny_model_dir, served):
+    from mogrpo.config import load_config
+    from mogrpo.demo import demo_base
+    from mogrpo.tasks.task import load_tasks
+    from mogrpo.train.run import build_context
+
+    _, server, url = served
+    server.max_model_len = 64  # as `mogrpo vllm-server MODEL --max-model-len 64`
+    base = demo_base()
+    base["model"]["name_or_path"] = str(tiny_model_dir)
+    base["output"]["dir"] = str(tmp_path / "run")
+    base["device"] = "cpu"
+    base["rollout"].update(engine="vllm", max_prompt_length=48, max_completion_length=24,
+                           max_seq_length=72)
+    base["rollout"]["vllm"] = {"server_url": url}
+    config, _ = load_config(None, [], base=base)
+    with pytest.raises(ConfigError, match=r"holds at most 64 tokens a sequence, but "
+                       r"rollout.max_prompt_length \+ max_completion_length = 48 \+ 24 = 72: "
+                       r"restart it with --max-model-len 72"):
+        build_context(config, load_tasks(config))

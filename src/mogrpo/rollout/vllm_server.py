@@ -327,8 +327,18 @@ class VLLMServerEngine:
 
     @classmethod
     def create(cls, policy: nn.Module, config: RunConfig) -> VLLMServerEngine:
-        vc = config.rollout.vllm
-        return cls(vc.server_url, policy, timeout_s=vc.server_timeout_s)
+        """The client for `rollout.vllm.server_url`; a ConfigError, before any step, when the
+        server cannot hold a prompt and its completion."""
+        ro = config.rollout
+        engine = cls(ro.vllm.server_url, policy, timeout_s=ro.vllm.server_timeout_s)
+        limit, needed = engine.info.get("max_model_len"), ro.prompt_length + ro.completion_length
+        if isinstance(limit, int) and limit < needed:
+            raise ConfigError(
+                f"the vllm-server at {engine.url} holds at most {limit} tokens a sequence, but "
+                f"rollout.max_prompt_length + max_completion_length = {ro.prompt_length} + "
+                f"{ro.completion_length} = {needed}: restart it with --max-model-len {needed} "
+                "(if the model allows it) or shorten the rollout")
+        return engine
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None
               ) -> dict[str, Any]:
