@@ -275,8 +275,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     return MemoryEstimate(terms, activations, title, assumptions)
 
 
-def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note: str) -> None:
-    terms.append(Term(key, label, int(math.ceil(value)), phase, note))
+def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note: str,
+         also: tuple[str, ...] = ()) -> None:
+    terms.append(Term(key, label, int(math.ceil(value)), phase, note, also))
 
 
 def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
@@ -308,8 +309,7 @@ def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
     # next rollout (and after the SFT warm-up)
     _add(terms, "gradients", "gradients", trainable * t_bytes / n, "training",
          f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; also in the optimizer step "
-         "and SFT, freed before generation")
-    terms[-1].also = ("optimizer step", "SFT warm-up")
+         "and SFT, freed before generation", also=("optimizer step", "SFT warm-up"))
     if layout.strategy == "ddp":
         _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
              "gradients copied into buckets for the all-reduce")
