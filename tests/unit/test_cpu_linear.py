@@ -1,5 +1,5 @@
 """float32 linears on oneDNN: the same values and gradients as `F.linear`, and the same
-log-probs and gradients from a model forward run inside `onednn_linears`."""
+log-probs and gradients from a model forward run inside `cpu_linears`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,22 @@ import transformers
 
 from mogrpo.algo import cpu_linear
 from mogrpo.algo.cpu_linear import (
+    cpu_linears,
     decode_linear,
     decode_weight,
     linear,
-    onednn_linears,
     pack,
     wide_avx512,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def training_on_onednn(monkeypatch):
+    """The training products on oneDNN, whatever this machine's CPU (on Intel CPUs MKL runs
+    them: `training_on_onednn`)."""
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: True)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -48,7 +55,7 @@ def test_context_gives_f_linear_gradients():
     layer = torch.nn.Linear(32, 24)
     x = torch.randn(3, 5, 32, requires_grad=True)
     grads = []
-    for context in (onednn_linears(layer), None):
+    for context in (cpu_linears(layer), None):
         layer.zero_grad()
         x.grad = None
         if context is None:
@@ -66,7 +73,7 @@ def test_context_gives_f_linear_gradients():
 def test_frozen_weight_gets_no_gradient_inside_the_context():
     layer = torch.nn.Linear(8, 4).requires_grad_(False)
     x = torch.randn(2, 8, requires_grad=True)
-    with onednn_linears(layer):
+    with cpu_linears(layer):
         y = layer(x)
     y.sum().backward()
     assert layer.weight.grad is None
@@ -98,7 +105,7 @@ def test_model_forward_logprobs_and_gradients_match_without_the_context(monkeypa
 
     on, on_grads = run()
     assert len(calls) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the output head
-    monkeypatch.setattr(logprobs_module, "onednn_linears", lambda model: nullcontext())
+    monkeypatch.setattr(logprobs_module, "cpu_linears", lambda model: nullcontext())
     off, off_grads = run()
     assert len(calls) == 15
     torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
@@ -133,7 +140,7 @@ def test_backward_hands_onednn_plain_strides(monkeypatch):
         operands.extend(t for t in (a, b) if t.dim() == 2)
         return original(a, b, *rest)
 
-    with onednn_linears(layer):
+    with cpu_linears(layer):
         out = layer(hidden[:, -1:, :])
         assert out.grad_fn.name().endswith("_LinearBackward")
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
@@ -147,19 +154,53 @@ def test_backward_hands_onednn_plain_strides(monkeypatch):
 def test_the_context_restores_the_layers_and_leaves_other_models_alone():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     other = torch.nn.Linear(8, 8)
-    with onednn_linears(model):
-        assert [type(m).__name__ for m in model] == ["OneDNNLinear", "ReLU", "OneDNNLinear"]
+    with cpu_linears(model):
+        assert [type(m).__name__ for m in model] == ["CPULinear", "ReLU", "CPULinear"]
         assert type(other) is torch.nn.Linear
-        with onednn_linears(model):  # nested: the outer context restores
+        with cpu_linears(model):  # nested: the outer context restores
             pass
-        assert type(model[0]) is cpu_linear.OneDNNLinear
+        assert type(model[0]) is cpu_linear.CPULinear
     assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
-    with pytest.raises(RuntimeError, match="boom"), onednn_linears(model):
+    with pytest.raises(RuntimeError, match="boom"), cpu_linears(model):
         raise RuntimeError("boom")
     assert type(model[0]) is torch.nn.Linear
     double = torch.nn.Linear(8, 8).double()
-    with onednn_linears(double):  # not float32: left as it is
+    with cpu_linears(double):  # not float32: left as it is
         assert type(double) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("on_onednn", [True, False])
+def test_the_products_equal_torch_on_either_kernel(monkeypatch, on_onednn):
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: on_onednn)
+    torch.manual_seed(0)
+    x, w, base = torch.randn(2, 6, 32), torch.randn(24, 32), torch.randn(2, 6, 24)
+    torch.testing.assert_close(cpu_linear.linear_add(x, w, base.clone()), base + x @ w.t(),
+                               atol=1e-5, rtol=1e-5)
+    grad = torch.randn(12, 24)
+    torch.testing.assert_close(cpu_linear.product(grad, w.t()), grad @ w, atol=1e-5, rtol=1e-5)
+    flat = x.reshape(12, 32)
+    torch.testing.assert_close(cpu_linear.weight_product(grad, flat), grad.t() @ flat,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, pack(w)), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_where_mkl_is_native_the_training_products_stay_on_it(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: False)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 24)
+    with cpu_linears(layer):
+        assert type(layer) is cpu_linear.CPULinear  # marked, for peft's layers to fuse around
+        y = layer(torch.randn(3, 32, requires_grad=True))
+    assert y.grad_fn.name() == "AddmmBackward0"  # torch's own product, not oneDNN's
+    x = torch.randn(6, 32)
+    assert torch.equal(linear(x, layer.weight), F.linear(x, layer.weight))
+
+
+def test_mkl_is_native_on_intel_cpus_only():
+    assert cpu_linear.mkl_native(_cpuinfo("GenuineIntel", 6, "avx512f"))
+    assert cpu_linear.mkl_native(_cpuinfo("GenuineIntel", 6, ""))
+    assert not cpu_linear.mkl_native(_cpuinfo("AuthenticAMD", 25, "avx512f"))
+    assert not cpu_linear.mkl_native("")
 
 
 def _cpuinfo(vendor: str, family: int, flags: str) -> str:

@@ -1,6 +1,7 @@
 """peft's LoRA layers with a fused CPU forward and backward: the values, gradients and dropout
 masks of peft's own forward; the base layer's output to the bit while B = 0; peft's forward
-wherever the fused one would compute something else."""
+wherever the fused one would compute something else. Every test runs on both training kernels
+(oneDNN and MKL: `cpu_linear.training_on_onednn`), whatever this machine's CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.modeling import lora_linear
 from mogrpo.modeling.load import LoraSettings, apply_lora
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
+
+@pytest.fixture(autouse=True, params=["onednn", "mkl"])
+def kernel(request, monkeypatch):
+    if request.param == "onednn" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: request.param == "onednn")
+    return request.param
 
 
 def _model(dropout: float, seed: int = 0) -> torch.nn.Module:
@@ -42,7 +49,7 @@ def _run(model, fused: bool, ids, seed=7):
         layer.__class__ = lora_linear._fused_class() if fused else PeftLinear
     model.zero_grad()
     torch.manual_seed(seed)  # the same dropout masks for both
-    with cpu_linear.onednn_linears(model):
+    with cpu_linear.cpu_linears(model):
         logits = model(input_ids=ids).logits
     logits.float().log_softmax(-1).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -79,11 +86,11 @@ def test_fresh_adapters_leave_the_base_output_bit_for_bit():
     torch.manual_seed(0)
     base = transformers.Qwen2ForCausalLM(config).eval()
     ids = torch.randint(1, 64, (3, 9))
-    with torch.no_grad(), cpu_linear.onednn_linears(base):
+    with torch.no_grad(), cpu_linear.cpu_linears(base):
         expected = base(input_ids=ids).logits
     model = apply_lora(base, LoraSettings(r=4, alpha=8, dropout=0.1)).train()
     assert all(type(m).__name__ == "FusedLoraLinear" for m in _lora_layers(model))
-    with torch.no_grad(), cpu_linear.onednn_linears(model):
+    with torch.no_grad(), cpu_linear.cpu_linears(model):
         assert torch.equal(model(input_ids=ids).logits, expected)  # B = 0: KL 0 at step 1
 
 
@@ -115,7 +122,7 @@ def _fused_calls(model, monkeypatch, ids) -> int:
     apply = lora_linear._LoraLinear.apply
     monkeypatch.setattr(lora_linear._LoraLinear, "apply",
                         lambda *a: calls.append(1) or apply(*a))
-    with torch.no_grad(), cpu_linear.onednn_linears(model):
+    with torch.no_grad(), cpu_linear.cpu_linears(model):
         model(input_ids=ids)
     monkeypatch.setattr(lora_linear._LoraLinear, "apply", apply)
     return len(calls)
@@ -136,10 +143,10 @@ def test_peft_forward_where_the_fused_one_does_not_apply(monkeypatch):
     calls = []
     apply = lora_linear._LoraLinear.apply
     monkeypatch.setattr(lora_linear._LoraLinear, "apply", lambda *a: calls.append(1) or apply(*a))
-    with torch.no_grad():  # outside onednn_linears: every linear on PyTorch's own kernel
+    with torch.no_grad():  # outside cpu_linears: every linear on PyTorch's own kernel
         model(input_ids=ids)
     assert calls == []
-    model.double()  # float64: not oneDNN's float32 kernel
+    model.double()  # float64: not the fused float32 kernels
     assert _fused_calls(model, monkeypatch, ids) == 0
 
 
@@ -148,7 +155,7 @@ def test_backward_keeps_dropped_positions_not_a_mask():
     layer = _lora_layers(model)[0]
     x = torch.randn(4, 16, 32, requires_grad=True)
     torch.manual_seed(0)
-    with cpu_linear.onednn_linears(model):
+    with cpu_linear.cpu_linears(model):
         y = layer(x)
     saved = y.grad_fn.saved_tensors
     dropped = saved[-1]

@@ -105,7 +105,9 @@ def test_sampled_logprobs_match_the_training_forward_with_lora(family, tok):
     ro = rollout(model, tok, "native", k=4, temperature=0.7, top_k=20, max_new_tokens=12)
     model.eval()
     reference = training_logprobs(model, ro, 0.7)
-    torch.testing.assert_close(ro.sampler_logp, reference, atol=1e-5, rtol=0)
+    # the sampler's adapters merged into W, the training forward's beside it: a few float32
+    # roundings apart on log-probs down to ~ -5
+    torch.testing.assert_close(ro.sampler_logp, reference, atol=1e-5, rtol=5e-6)
     assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout["default"].p == 0.3
 
 

@@ -1,34 +1,40 @@
-"""float32 linear layers on CPUs through oneDNN instead of the BLAS `torch.matmul` uses.
+"""float32 linear layers on CPUs: each product on the faster of MKL (the BLAS `torch.matmul`
+uses) and oneDNN (which the same PyTorch builds ship), by CPU and shape.
 
 PyTorch's CPU builds compute a float32 `F.linear` with MKL's sgemm. On CPUs MKL does not
-recognise as Intel's (AMD EPYC, for one), sgemm runs its AVX2 code, while oneDNN, which the same
-builds ship, uses AVX-512. How much that buys depends on how wide the CPU computes AVX-512:
+recognise as Intel's (AMD EPYC, for one), sgemm runs its AVX2 code, while oneDNN uses AVX-512.
+How much that buys depends on how wide the CPU computes AVX-512; on Intel CPUs MKL runs its own
+AVX-512 code and is the faster of the two for training products:
 
 | 1 core, float32 | [720, 256] x [256, 1920] | a decode step's [16, in] x [in, out] |
 |---|---|---|
 | EPYC Zen 5 (full-width AVX-512) | MKL 7.3 ms, oneDNN 3.5 ms | oneDNN packed faster (not 128²) |
 | EPYC Zen 4 (AVX-512 in two halves) | MKL 6.9 ms, oneDNN 6.6 ms | see below |
+| Xeon Cascade Lake (family 6 model 85) | MKL 6.1 ms, oneDNN 7.0 ms | see below |
 
-So the training products (hundreds of rows) run on oneDNN on every CPU — at worst ~4 % faster
-than MKL, at best twice as fast. A decode step's products (one row per sequence) are a matter
-of fixed cost per call against throughput. On Zen 4 at 16 rows, oneDNN on packed weights is
-1.1-1.6x faster than MKL from 256 inputs and in x out = 2^17 up (256 x 512 1.08x, 256 x 768
+So the training products (hundreds of rows) run on oneDNN where MKL does not run its own code
+(`training_on_onednn`) — at worst ~4 % faster than MKL, at best twice as fast — and on MKL on
+Intel CPUs (the Xeon's forward and backward of the vs_trl 8 M-parameter model: 510 ms against
+oneDNN's 610; 0.7 M: 65 against 83). A decode step's products (one row per sequence) are a
+matter of fixed cost per call against throughput. On Zen 4 at 16 rows, oneDNN on packed weights
+is 1.1-1.6x faster than MKL from 256 inputs and in x out = 2^17 up (256 x 512 1.08x, 256 x 768
 1.16x, 960 x 256 1.14x, 512 x 3840 1.64x; a whole decode step of the vs_trl 32 M-parameter
 model 17 ms instead of 30) and slower below (640 x 128 0.90x, 128 x 384 0.75x, 128 x 128
-0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step). Decode weights are therefore
-packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and elsewhere
-from those sizes on; the rest run on MKL, which on Intel CPUs runs AVX-512 itself. The rule is
-fixed per CPU model and shape rather than timed at start: a timed choice could differ between
-two runs of the same seed on the same machine, and the kernels differ in float rounding. It is
-the same float32 product either way (IEEE, no reduced precision); only the summation order
-differs (~1e-6 relative).
+0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step); the Xeon agrees within noise
+(256 x 768 0.97x, 256 x 1920 1.15x, 512 x 3840 1.71x, 128 x 384 0.51x). Decode weights are
+therefore packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and
+elsewhere from those sizes on; the rest run on MKL. The rule is fixed per CPU model and shape
+rather than timed at start: a timed choice could differ between two runs of the same seed on
+the same machine, and the kernels differ in float rounding. It is the same float32 product
+either way (IEEE, no reduced precision); only the summation order differs (~1e-6 relative).
 
-`linear(x, w, b)` is that kernel without autograd (the KL reference's forward); `decode_weight`
-and `decode_linear` are the decode loop's (weights packed once per decode call where oneDNN
-runs); `onednn_linears()` is a context in which every `nn.Linear` of a model — its own, peft's
-base layers, the output head — runs on oneDNN, with a backward whose three products (input,
-weight and bias gradients) run on it too. All fall back to `F.linear` off CPUs, for other
-dtypes, and where the build has no oneDNN.
+`linear(x, w, b)` is the training products' kernel without autograd (the KL reference's
+forward); `decode_weight` and `decode_linear` are the decode loop's (weights packed once per
+decode call where oneDNN runs); `cpu_linears()` is a context in which every `nn.Linear` of a
+model — its own, peft's base layers, the output head — runs on the training products' kernel,
+with a backward whose three products (input, weight and bias gradients) run on it too, and
+peft's LoRA layers fused around them. All fall back to `F.linear` off CPUs, for other dtypes,
+and where the build has no oneDNN.
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ def available() -> bool:
         return bool(torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5))
     except (AttributeError, RuntimeError):
         return False
+
+
+def mkl_native(cpuinfo: str | None = None) -> bool:
+    """Whether MKL runs its own fastest code on this CPU: an Intel CPU (MKL picks its code paths
+    by vendor). `cpuinfo` as for `wide_avx512`."""
+    return _first_cpu(_cpuinfo() if cpuinfo is None else cpuinfo).get("vendor_id") == \
+        "GenuineIntel"
+
+
+@functools.cache
+def training_on_onednn() -> bool:
+    """Whether the training products (`linear`, `cpu_linears`) run on oneDNN here: wherever
+    it is available except on CPUs where MKL runs its own code (`mkl_native`), which there
+    outruns it (see the module docstring)."""
+    return available() and not mkl_native()
 
 
 def wide_avx512(cpuinfo: str | None = None) -> bool:
@@ -108,9 +129,9 @@ def _cpuinfo() -> str:
 
 
 def usable(x: Tensor, w: Tensor) -> bool:
-    """The oneDNN kernel applies: CPU float32 operands, an input of at least 2 dimensions."""
+    """The CPU kernels apply: CPU float32 operands, an input of at least 2 dimensions."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.dim() >= 2 and w.dim() == 2 and available())
+            and x.dim() >= 2 and w.dim() == 2)
 
 
 def pack(w: Tensor) -> Tensor:
@@ -123,10 +144,17 @@ def pack(w: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """`F.linear(x, w, b)` (x [..., in], w [out, in], plain or `pack`ed), on oneDNN where it
-    applies; no autograd."""
+    """`F.linear(x, w, b)` (x [..., in], w [out, in], plain or `pack`ed), on oneDNN for a packed
+    w and where it applies to a plain one on `training_on_onednn` CPUs; no autograd."""
+    if training_on_onednn():
+        return _onednn_linear(x, w, b)
+    return _packed_linear(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
+
+
+def _onednn_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """`F.linear` on oneDNN where it applies (or w is packed), else `F.linear` itself."""
     if w.is_mkldnn or usable(x, w):
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return _packed_linear(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -159,11 +187,15 @@ def decode_kernel(w: Tensor) -> Callable[[Tensor, Tensor, Tensor | None], Tensor
     weight rather than per call (a decode step of a small model is mostly call overhead)."""
     if w.is_mkldnn:
         return _packed_linear
-    return linear if decode_on_onednn() else F.linear  # (linear falls back where it must)
+    return _onednn_linear if decode_on_onednn() else F.linear
 
 
 def _packed_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return _pointwise(x, w, b, "none", [], "")
+
+
+def _pointwise(*args) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(*args)
 
 
 class _Linear(torch.autograd.Function):
@@ -173,7 +205,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return _pointwise(x, w, b, "none", [], "")
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -189,22 +221,36 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def linear_add(h: Tensor, w: Tensor, base: Tensor) -> Tensor:
+    """base + h w^T (h [..., in], w [out, in], base [..., out], a fresh tensor) in one pass:
+    oneDNN's "add" post-op on `training_on_onednn` CPUs, else one in-place addmm into base."""
+    if training_on_onednn():
+        return torch.ops.mkldnn._linear_pointwise.binary(h, base, w, None, "add")
+    flat = base.view(-1, base.shape[-1])
+    return flat.addmm_(h.reshape(-1, h.shape[-1]), w.t()).view(base.shape)
+
+
 def product(a: Tensor, b: Tensor) -> Tensor:
-    """a [..., k] @ b^T for b [n, k], on oneDNN. Each operand is made either contiguous or the
-    transpose of a contiguous tensor first: oneDNN takes a generic path for other strides (the
-    weight gradient of a one-position slice of [B, T, H] — the last prompt position's logit —
-    ran ~250x slower than on a copy)."""
+    """a [..., k] @ b^T for b [n, k], on the training products' kernel. For oneDNN each operand
+    is made either contiguous or the transpose of a contiguous tensor first: it takes a generic
+    path for other strides (the weight gradient of a one-position slice of [B, T, H] — the last
+    prompt position's logit — ran ~250x slower than on a copy)."""
+    if not training_on_onednn():
+        return torch.matmul(a, b.t())
     a = a if _plain_strides(a) else a.contiguous()
     b = b if _plain_strides(b) else b.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return _pointwise(a, b, None, "none", [], "")
 
 
 def weight_product(grad: Tensor, x: Tensor) -> Tensor:
-    """grad^T x for grad [N, out] and x [N, in] (a weight gradient [out, in]), on oneDNN.
+    """grad^T x for grad [N, out] and x [N, in] (a weight gradient [out, in]), on the training
+    products' kernel (MKL reads a transposed operand as it is).
 
     oneDNN copies a transposed input but reorders its weight operand anyway, so the narrower of
     the two is the one transposed: at [N, 640] x [N, 128] computing (x^T grad)^T copies a fifth
     of what grad^T x copies (the gate and up projections' weight gradients: -30 %)."""
+    if not training_on_onednn():
+        return grad.t() @ x
     if grad.shape[1] <= x.shape[1]:
         return product(grad.t(), x.t())
     return product(x.t(), grad.t()).t().contiguous()
@@ -214,32 +260,36 @@ def _plain_strides(t: Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 2 and t.t().is_contiguous())
 
 
-class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose forward is `_Linear` where oneDNN applies (see `onednn_linears`)."""
+class CPULinear(nn.Linear):
+    """An `nn.Linear` inside `cpu_linears`: its forward is `_Linear` where the training products
+    run on oneDNN, else `F.linear` (and its mark lets peft's layers around it fuse: see
+    `mogrpo.modeling.lora_linear`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if usable(x, self.weight):
+        if training_on_onednn() and usable(x, self.weight):
             return _Linear.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 @contextmanager
-def onednn_linears(model: nn.Module) -> Iterator[None]:
+def cpu_linears(model: nn.Module) -> Iterator[None]:
     """A context in which every `nn.Linear` of `model` — the model's own, peft's base layers,
-    the output head — computes on oneDNN, forward and backward (when it applies).
+    the output head — computes on the training products' kernel, forward and backward: oneDNN
+    on `training_on_onednn` CPUs, else torch's own (MKL), with peft's LoRA layers fused around
+    them either way (`mogrpo.modeling.lora_linear`).
 
-    The layers are made `OneDNNLinear` for the context and plain `nn.Linear` again after it:
+    The layers are made `CPULinear` for the context and plain `nn.Linear` again after it:
     only the linears pay for the switch (a mode intercepting every torch call of the forward
     cost a LoRA forward ~10 %). Off for models that are not on a CPU in float32, and for
     torch.compile'd ones (the compiler picks its own kernels)."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32 \
-            or hasattr(model, "_orig_mod") or not available():
+            or hasattr(model, "_orig_mod"):
         yield
         return
     layers = [m for m in model.modules() if type(m) is nn.Linear]
     for layer in layers:
-        layer.__class__ = OneDNNLinear
+        layer.__class__ = CPULinear
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ import transformers
 from packaging.version import Version
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import onednn_linears
+from mogrpo.algo.cpu_linear import cpu_linears
 from mogrpo.errors import ConfigError
 
 
@@ -223,7 +223,7 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
-    with onednn_linears(model):  # CPU float32: the linears on oneDNN, forward and backward
+    with cpu_linears(model):  # CPU float32: the linears on the faster kernel, both passes
         if groups is None:
             kwargs = {}
             if _accepts_logits_to_keep(model):

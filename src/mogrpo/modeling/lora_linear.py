@@ -6,14 +6,16 @@ a [tokens, out] tensor — the B product, the scaling, the sum into a new tensor
 rank-r products themselves are small, and a dropout mask the size of x, kept for the backward.
 
 `FusedLoraLinear` is peft's `lora.Linear` whose forward, for one plain adapter on CPU float32
-tensors inside `cpu_linear.onednn_linears` (the training and reference forwards, whose other
-linears then run on oneDNN too), is one autograd function: the base product, then
-`h (scaling B)^T` added by one oneDNN call (its "add" post-op), h = dropout(x) A^T; the backward
+tensors inside `cpu_linear.cpu_linears` (the training and reference forwards), is one autograd
+function on the training products' kernel (oneDNN or MKL: `cpu_linear.training_on_onednn`):
+the base product, then `h (scaling B)^T` added into it in one call (`cpu_linear.linear_add`),
+h = dropout(x) A^T; the backward
 computes the input gradient and A's and B's from the same few products (the base weight's and
 bias's only if they are trained). The dropout zeroes `lora_dropout.dropped_positions`, drawn as
 `FastDropout` draws its mask, so a run samples the same masks as through peft, and the backward
 keeps those positions instead of a mask. On the vs_trl 0.7 M-parameter model the LoRA training
-forward takes ~20 ms instead of ~25. With B = 0 (fresh adapters) the output equals the base
+forward takes ~20 ms instead of ~25 (on an AMD EPYC, oneDNN); on an Intel Xeon, on MKL, the
+forward and backward take ~70 ms instead of ~85. With B = 0 (fresh adapters) the output equals the base
 layer's to the last bit, as peft's does. Anything else — several or mixed adapters, DoRA and
 other variants, LoRA bias, merged or disabled adapters, quantised bases, GPUs, other dtypes,
 calls outside that context — runs peft's own forward.
@@ -29,12 +31,12 @@ from torch import Tensor, nn
 from mogrpo.algo import cpu_linear
 from mogrpo.modeling.lora_dropout import FastDropout, dropped_positions
 
-_linear = torch.ops.mkldnn._linear_pointwise
-_PLAIN = {nn.Linear, cpu_linear.OneDNNLinear}
+_PLAIN = {nn.Linear, cpu_linear.CPULinear}
 
 
 class _LoraLinear(torch.autograd.Function):
-    """y = x W^T + b + h (s B)^T with h = dropout(x) A^T; every product on oneDNN.
+    """y = x W^T + b + h (s B)^T with h = dropout(x) A^T; every product on the training
+    products' kernel.
 
     The dropout is given as the flat positions it zeroes (`dropped_positions`) and the scale of
     the kept entries: at rate 0.05 a twentieth of the entries are written, and those few
@@ -45,9 +47,9 @@ class _LoraLinear(torch.autograd.Function):
                 scale: float, dropped: Tensor | None, keep_scale: float
                 ) -> Tensor:  # type: ignore[override]
         dropped_x = x if dropped is None else _drop(x * keep_scale, dropped)  # [..., in]
-        h = _linear(dropped_x, a, None, "none", [], "")  # [..., r]
-        base = _linear(x, weight, bias, "none", [], "")  # [..., out]
-        y = _linear.binary(h, base, b * scale, None, "add")  # base + h (s B)^T, one pass
+        h = cpu_linear.linear(dropped_x, a)  # [..., r]
+        base = cpu_linear.linear(x, weight, bias)  # [..., out]
+        y = cpu_linear.linear_add(h, b * scale, base)  # base + h (s B)^T, one pass
         ctx.save_for_backward(x, weight, a, b, dropped_x, h, dropped)
         ctx.scale, ctx.keep_scale, ctx.has_bias = scale, keep_scale, bias is not None
         return y
@@ -98,9 +100,9 @@ def _fused_inputs(layer: nn.Module, x: Tensor) -> tuple | None:
             getattr(layer, "use_dora", {}).get(name, False):
         return None
     base, lora_a, lora_b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
-    # only inside `cpu_linear.onednn_linears`, where the base layer is a OneDNNLinear: the
-    # fused products are oneDNN's, and so are those of every other linear of the forward
-    if type(base) is not cpu_linear.OneDNNLinear or not {type(lora_a), type(lora_b)} <= _PLAIN \
+    # only inside `cpu_linear.cpu_linears`, where the base layer is a CPULinear: the fused
+    # products run on the same kernel as every other linear of the forward
+    if type(base) is not cpu_linear.CPULinear or not {type(lora_a), type(lora_b)} <= _PLAIN \
             or lora_b.bias is not None or lora_a.bias is not None:
         return None
     dropout = layer.lora_dropout[name]
