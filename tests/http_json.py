@@ -7,11 +7,12 @@ import urllib.error
 import urllib.request
 
 
-def post_json(url: str, body: dict | bytes) -> tuple[int, dict]:
-    """(HTTP status, decoded JSON reply) of POST `body` (a dict, or raw bytes as they are)."""
+def post_json(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """(HTTP status, decoded JSON reply) of POST `body` (a dict, or raw bytes as they are),
+    with `headers` besides the JSON content type."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())

@@ -13,6 +13,7 @@ from mogrpo.errors import ConfigError
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.rollout.vllm_engine import VLLMEngine
 from mogrpo.rollout.vllm_server import (
+    TOKEN_ENV,
     RolloutServer,
     VLLMServerEngine,
     _address_toward,
@@ -69,6 +70,38 @@ def test_rollouts_from_the_server_match_the_colocated_engine_row_for_row(served,
     assert params[0].kwargs["temperature"] == 0.9 and params[0].kwargs["top_k"] == 20
     assert params[0].kwargs["presence_penalty"] == 0.5 and params[0].n == K
     assert params[0].kwargs["stop_token_ids"] == [13, 17] and params[0].logprobs == 0
+
+
+def test_a_server_with_a_token_answers_only_requests_that_carry_it(model, monkeypatch):
+    server = RolloutServer(FakeLLM(), FakeSamplingParams, model="tiny", max_model_len=4096,
+                           timeout_s=30, token="s3cret-value")
+    http, _ = start_rollout_server(server, "127.0.0.1", 0)
+    host, port = http.server_address[:2]
+    url = f"http://{host}:{port}"
+    try:
+        body = {"prompts": PROMPTS, "n": 1}
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-value"}):
+            code, reply = post_json(url + "/generate", body, headers)
+            assert code == 401 and f"set {TOKEN_ENV}" in reply["error"]
+            assert "s3cret" not in reply["error"]
+
+        monkeypatch.delenv(TOKEN_ENV, raising=False)  # a trainer without it: stopped at start
+        with pytest.raises(ConfigError, match=f"refused this trainer \\(no {TOKEN_ENV}\\)"):
+            VLLMServerEngine(url, model, timeout_s=30)
+        monkeypatch.setenv(TOKEN_ENV, "s3cret-valu")
+        with pytest.raises(ConfigError, match=f"a wrong {TOKEN_ENV}") as refused:
+            VLLMServerEngine(url, model, timeout_s=30)
+        assert "s3cret" not in str(refused.value)
+        monkeypatch.setenv(TOKEN_ENV, "s3cret-value")
+        client = VLLMServerEngine(url, model, timeout_s=30)  # GET /health carried it
+        assert client.info["model"] == "tiny"
+        out = client.decode(PROMPTS, settings(), num_generations=K, stop_ids=[13], pad_id=0,
+                            seed=1, record_logprobs=False)
+        assert out.tokens.shape[0] == len(PROMPTS) * K
+        assert client.push_weights() > 0  # the weight group's requests carry it too
+    finally:
+        http.shutdown()
+        http.server_close()
 
 
 def test_unseeded_requests_share_one_setting_and_log_probs_are_optional(served, model):

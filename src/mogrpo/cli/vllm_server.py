@@ -17,7 +17,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "http://HOST:PORT. The trainer pushes its weights before the first rollout and after "
         "every optimizer step (NCCL from a CUDA policy, else gloo). Pick the GPU with "
         "CUDA_VISIBLE_DEVICES; one GPU per server. Needs `pip install 'mogrpo[vllm]'`. Binds "
-        "127.0.0.1 by default; the server has no authentication.")
+        "127.0.0.1 by default. With MOGRPO_VLLM_SERVER_TOKEN set (here and in the trainer's "
+        "environment, to the same value) it answers only requests that carry it; without, "
+        "anyone who reaches it can load weights into it.")
     parser.add_argument("model", metavar="MODEL", help="model directory or hub id")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100, help="port (default 8100)")
@@ -41,12 +43,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_vllm_server(args: argparse.Namespace) -> int:
     """Run the server until interrupted (Ctrl-C); returns the exit code."""
     import importlib.util
+    import os
 
     import torch
 
     from mogrpo.errors import ConfigError
     from mogrpo.rollout.vllm_engine import INSTALL_HINT, import_vllm
-    from mogrpo.rollout.vllm_server import RolloutServer, log, start_rollout_server
+    from mogrpo.rollout.vllm_server import TOKEN_ENV, RolloutServer, log, start_rollout_server
 
     if not 0 <= args.port <= 65535 or not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError(f"vllm-server: --port {args.port} must be in 0..65535 and "
@@ -64,9 +67,15 @@ def cmd_vllm_server(args: argparse.Namespace) -> int:
     length = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     server = RolloutServer(llm, SamplingParams, model=args.model,
                            max_model_len=getattr(length, "max_model_len", args.max_model_len),
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout, token=os.environ.get(TOKEN_ENV))
     http, thread = start_rollout_server(server, args.host, args.port)
     host, port = http.server_address[:2]
+    if server.token is not None:
+        log.info("requests must carry the token in %s", TOKEN_ENV)
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without a token: anyone who can reach it can load weights "
+                    "into it; set %s here and in the trainer's environment", args.host,
+                    TOKEN_ENV)
     log.info("vllm-server for %s at http://%s:%d; set rollout.vllm.server_url to it. Ctrl-C "
              "stops", args.model, host, port)
     try:

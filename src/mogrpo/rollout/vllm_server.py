@@ -26,14 +26,22 @@ Endpoints (JSON bodies):
     POST /weights/group   {"host", "port", "backend"}: join the trainer's weight group
     POST /weights/load    {"tensors": [[name, dtype, shape], ...], "last": bool}: receive
                           those tensors by broadcast, in order, and load them
+
+Where `MOGRPO_VLLM_SERVER_TOKEN` is set in the server's environment, every request must carry
+it (`Authorization: Bearer TOKEN`; the trainer sends it from the same variable in its own
+environment) or is refused with 401: whoever can load weights into the server decides what
+the run trains on. The token is never logged. The weight group's rendezvous (a TCPStore the
+trainer hosts for the server to join) has no token of its own: keep both on a trusted network.
 """
 
 from __future__ import annotations
 
 import datetime
+import hmac
 import ipaddress
 import json
 import logging
+import os
 import socket
 import threading
 import urllib.error
@@ -63,6 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TOKEN_ENV = "MOGRPO_VLLM_SERVER_TOKEN"  # the shared secret, on both sides; never logged
 BUCKET_BYTES = 256 * 2**20  # tensors per /weights/load request: the server holds one bucket
 MAX_BODY_BYTES = 64 * 2**20
 # the SamplingParams fields a request may set (n and seed come per request)
@@ -127,8 +136,10 @@ class RolloutServer:
     vllm.SamplingParams class)."""
 
     def __init__(self, llm: Any, sampling_params: Callable[..., Any], *, model: str,
-                 max_model_len: int | None, timeout_s: float = 600.0) -> None:
+                 max_model_len: int | None, timeout_s: float = 600.0,
+                 token: str | None = None) -> None:
         self.llm, self.sampling_params = llm, sampling_params
+        self.token = token or None  # requests must carry it (see the module docstring)
         self.model, self.max_model_len = model, max_model_len
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.lock = threading.Lock()  # vLLM's LLM runs one call at a time
@@ -237,7 +248,21 @@ def _handler(server: RolloutServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s %s", self.address_string(), format % args)
 
+        def _refused(self) -> bool:
+            """Answer 401 where the server wants a token and the request lacks it."""
+            if server.token is None:
+                return False
+            sent = self.headers.get("Authorization") or ""
+            if hmac.compare_digest(sent.encode(), f"Bearer {server.token}".encode()):
+                return False
+            self.close_connection = True  # a body, if any, is left unread
+            self._send(401, {"error": f"this vllm-server wants the token it was started with: "
+                                      f"set {TOKEN_ENV} in the trainer's environment to it"})
+            return True
+
         def do_GET(self) -> None:
+            if self._refused():
+                return
             path = self.path.split("?", 1)[0].rstrip("/")
             if path == "/health":
                 self._send(200, server.health())
@@ -245,6 +270,8 @@ def _handler(server: RolloutServer) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"error": f"no route GET {path}; GET /health"})
 
         def do_POST(self) -> None:
+            if self._refused():
+                return
             path = self.path.split("?", 1)[0].rstrip("/")
             self.close_connection = True  # until the body is read
             try:
@@ -316,6 +343,7 @@ class VLLMServerEngine:
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.device = next(policy.parameters()).device
+        self.token = os.environ.get(TOKEN_ENV) or None
         self.group: dist.ProcessGroup | None = None
         self._store: dist.Store | None = None
         self.weights_current = False  # the server holds the policy's latest weights
@@ -343,8 +371,11 @@ class VLLMServerEngine:
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None
               ) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return json.loads(response.read())
@@ -353,6 +384,10 @@ class VLLMServerEngine:
                 reason = json.loads(err.read()).get("error", "")
             except ValueError:
                 reason = ""
+            if err.code == 401:  # a setup mistake, not a fault of the run
+                raise ConfigError(
+                    f"rollout.vllm.server_url = {self.url}: the server refused this trainer "
+                    f"({'a wrong' if self.token else 'no'} {TOKEN_ENV}): {reason}") from None
             raise RuntimeError(f"vllm-server {method} {path} answered {err.code}: "
                                f"{reason or err.reason}") from None
         except (urllib.error.URLError, OSError) as err:
