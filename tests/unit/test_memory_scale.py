@@ -265,6 +265,25 @@ def test_vllm_colocated_holds_its_share_while_sampling_and_a_server_nothing():
     assert hf.phase("generation") == hf["kv_cache"] + hf["prefill"]  # no gradients by then
 
 
+def test_the_ladder_lowers_a_colocated_vllm_share_where_sampling_is_the_peak():
+    share = {"rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.6}}}
+    gpu = 48 * GIB  # always 19.42 + generation 28.80 (0.6 of 48) GiB: 48.22, over by a little
+    plan = lambda run, gpu: ladder(  # noqa: E731
+        lambda c, n: estimate(LLAMA_1B, c, nproc=n, gpu_memory=gpu), run, gpu)
+    (step,) = plan(run_1b(**share), gpu)  # micro-batch and checkpointing would save nothing
+    assert step.arguments == ["--set", "rollout.vllm.gpu_memory_utilization=0.45"]
+    assert step.saving == int(0.6 * gpu) - int(0.45 * gpu) and step.total <= gpu
+    assert "fewer sequences at once" in step.cost
+    steps = plan(run_1b(**share), 36 * GIB)  # half the share, then the training peak's rungs
+    assert steps[0].arguments == ["--set", "rollout.vllm.gpu_memory_utilization=0.3"]
+    assert steps[-1].total <= 36 * GIB
+    awake = {"rollout": {"engine": "vllm", "vllm": {"sleep_during_update": False}}}
+    steps = plan(run_1b(**awake), 24 * GIB)  # its share held through the update: put it to sleep
+    assert ["--set", "rollout.vllm.sleep_during_update=true"] in [s.arguments for s in steps]
+    server = {"rollout": {"engine": "vllm", "vllm": {"server_url": "http://10.0.0.7:8100"}}}
+    assert not any("vllm" in " ".join(s.arguments) for s in plan(run_1b(**server), 24 * GIB))
+
+
 def test_a_vllm_run_is_planned_on_a_machine_without_vllm_or_a_gpu(tmp_path: Path, capsys):
     from mogrpo.cli import main as mogrpo
     from mogrpo.rollout.vllm_engine import vllm_unavailable_reason

@@ -500,9 +500,12 @@ def reward_model_configs(run: RunConfig) -> dict[str, Any]:
 
 
 def with_changes(run: RunConfig, changes: Mapping[str, Any]) -> RunConfig:
-    """`run` with `section.key` values replaced (and validated again)."""
+    """`run` with `section.key` (or `section.sub.key`) values replaced (and validated again)."""
     data = run.model_dump()
     for dotted, value in changes.items():
-        section, key = dotted.split(".")  # every ladder change is `section.key`
-        data[section][key] = value
+        *path, key = dotted.split(".")
+        target = data
+        for part in path:
+            target = target[part]
+        target[key] = value
     return RunConfig.model_validate(data)

@@ -68,6 +68,30 @@ def _checkpointing(run: RunConfig, nproc: int) -> Rung:
             "none in quality; each layer is recomputed in backward (~30 % slower update)")
 
 
+def _colocated_vllm(run: RunConfig) -> bool:
+    return run.rollout.engine == "vllm" and run.rollout.vllm.server_url is None
+
+
+def _vllm_sleep(run: RunConfig, nproc: int) -> Rung:
+    awake = _colocated_vllm(run) and not run.rollout.vllm.sleep_during_update
+    return ("colocated vLLM asleep during the update",
+            [{"rollout.vllm.sleep_during_update": True}] if awake else [],
+            "none in quality; its weights are offloaded and its KV cache freed for each update "
+            "and restored before the next rollout (seconds per step)")
+
+
+def _vllm_share(run: RunConfig, nproc: int) -> Rung:
+    share = run.rollout.vllm.gpu_memory_utilization
+    # three quarters and half of it, down to a multiple of 0.05, at least 0.05
+    shares = {max(0.05, int(share * f * 20) / 20) for f in (0.75, 0.5)}
+    options = [{"rollout.vllm.gpu_memory_utilization": s} for s in sorted(shares, reverse=True)
+               if s < share] if _colocated_vllm(run) else []
+    return ("smaller colocated vLLM share", options,
+            "none in quality; a smaller KV cache decodes fewer sequences at once (slower "
+            "rollouts), and vLLM refuses to start if its weights and one sequence do not fit "
+            "in the share")
+
+
 def _four_bit(run: RunConfig, nproc: int) -> Rung:
     ok = run.lora.enabled and not run.model.load_in_4bit
     return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
@@ -132,8 +156,8 @@ def _shard(run: RunConfig, nproc: int) -> Rung:
 
 
 RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
-    _micro_batch, _checkpointing, _shard, _sft_batch, _four_bit, _completions,
-    _fewer_generations, _lower_rank)
+    _micro_batch, _checkpointing, _vllm_sleep, _vllm_share, _shard, _sft_batch, _four_bit,
+    _completions, _fewer_generations, _lower_rank)
 """Quality-neutral changes first (they cost only speed), then those that cost quality."""
 
 
