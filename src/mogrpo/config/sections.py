@@ -237,7 +237,9 @@ class VLLMConfig(Section):
     rollouts and gets the policy's weights before the first rollout and after every optimizer
     step (NCCL from a CUDA policy, else gloo). None: vLLM colocated in each training process.
     The server's own flags (`mogrpo vllm-server --help`) then take the place of
-    gpu_memory_utilization, enforce_eager and dtype, and nothing sleeps."""
+    gpu_memory_utilization, enforce_eager and dtype, and nothing sleeps. A server started
+    with `MOGRPO_VLLM_SERVER_TOKEN` in its environment wants the same value in the trainer's
+    (sent as a bearer token, never logged)."""
     server_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for one answer of the server (a rollout, a bucket of weights) and for its
     joining the weight group."""
