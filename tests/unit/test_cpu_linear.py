@@ -224,6 +224,10 @@ def test_cpu_name_tells_the_family_a_bare_model_name_hides():
                                                            "model\t\t: 17\nmodel name\t: AMD EPYC")
     assert cpu_linear.cpu_name(info) == \
         "AMD EPYC (AMD family 25 model 17, no full-width AVX-512 for oneDNN)"
+    xeon = _cpuinfo("GenuineIntel", 6, "avx512f").replace(
+        "model\t\t: 17", "model\t\t: 85\nmodel name\t: Intel(R) Xeon(R) Processor @ 2.50GHz")
+    assert cpu_linear.cpu_name(xeon) == \
+        "Intel(R) Xeon(R) Processor @ 2.50GHz (Intel family 6 model 85, training products on MKL)"
     assert cpu_linear.cpu_name("") == "unknown CPU"
 
 

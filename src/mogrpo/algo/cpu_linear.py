@@ -94,15 +94,19 @@ def wide_avx512(cpuinfo: str | None = None) -> bool:
 
 def cpu_name(cpuinfo: str | None = None) -> str:
     """The CPU as benchmark reports name it: model name, vendor, family and model numbers
-    (virtual machines often show a bare "AMD EPYC"; the family tells Zen 4 from Zen 5)."""
+    (virtual machines often show a bare "AMD EPYC"; the family tells Zen 4 from Zen 5), and
+    which kernels that means here."""
     fields = _first_cpu(_cpuinfo() if cpuinfo is None else cpuinfo)
     if not fields:
         return "unknown CPU"
     vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(fields.get("vendor_id", ""),
                                                                  fields.get("vendor_id", "?"))
+    if mkl_native(cpuinfo):
+        kernels = "training products on MKL"
+    else:
+        kernels = f"{'full-width' if wide_avx512(cpuinfo) else 'no full-width'} AVX-512 for oneDNN"
     return (f"{fields.get('model name', '?')} ({vendor} family {fields.get('cpu family', '?')} "
-            f"model {fields.get('model', '?')}, "
-            f"{'full-width' if wide_avx512(cpuinfo) else 'no full-width'} AVX-512 for oneDNN)")
+            f"model {fields.get('model', '?')}, {kernels})")
 
 
 def _first_cpu(cpuinfo: str) -> dict[str, str]:
