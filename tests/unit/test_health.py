@@ -253,12 +253,32 @@ def test_non_finite_counts_bad_steps_and_stops_at_patience():
 
 
 def test_grad_spike():
-    fired = fires_at(HealthMonitor(), lambda s, m: m.update({"policy/grad_norm": 60.0}),
-                     failing=1)
-    step, alert = only(fired)
-    assert step == 31  # patience 1
-    assert "grad_spike at step 31: grad norm 60 is" in alert.message
-    assert "× its running median" in alert.message
+    def spikes_at(*steps):
+        return lambda s, m: m.update({"policy/grad_norm": 60.0}) if s in steps else None
+
+    # a lone spike is contained by gradient clipping: no alert
+    assert fires_at(HealthMonitor(), spikes_at(31), failing=40) == {}
+    # a second one within the window (50 steps) is the alert
+    step, alert = only(fires_at(HealthMonitor(), spikes_at(31, 52), failing=40))
+    assert step == 52
+    assert "grad_spike at step 52: grad norm 60 is" in alert.message
+    assert "× its running median" in alert.message and "after spikes at steps 31" in alert.message
+    step, _ = only(fires_at(HealthMonitor(), spikes_at(*range(31, 71)), failing=40))
+    assert step == 32  # a run of spikes: once, at its second step
+    lone = HealthConfig(grad_spike={"repeats": 1})
+    step, _ = only(fires_at(HealthMonitor(lone), spikes_at(31), failing=40))
+    assert step == 31
+
+
+def test_grad_spikes_further_apart_than_the_window_stay_lone():
+    monitor = HealthMonitor()
+    assert fires_at(monitor, lambda s, m: m.update({"policy/grad_norm": 60.0})
+                    if s in (31, 85) else None, failing=60) == {}
+    state = json.loads(json.dumps(monitor.state_dict()))  # a resumed run remembers the spikes
+    again = HealthMonitor()
+    again.load_state_dict(state)
+    fired = stream(again, 5, lambda s, m: m.update({"policy/grad_norm": 60.0}), start=91)
+    assert list(fired) == [91]  # 85 and 91: within the window
 
 
 def test_sampling_ignored():

@@ -86,7 +86,10 @@ class NonFiniteConfig(CheckConfig):
 
 class GradSpikeConfig(CheckConfig):
     patience: int = Field(1, ge=1)
-    """Consecutive spiking steps."""
+    """Consecutive steps above the factor that make one spike."""
+    repeats: int = Field(2, ge=1)
+    """Spikes within `window` steps that raise the alert: gradient clipping
+    (train.max_grad_norm) contains a lone spike; repeated ones precede divergence."""
     factor: float = Field(10.0, gt=1)
     """A spike is a grad norm above this × the running median."""
     window: int = Field(50, ge=2)

@@ -107,6 +107,7 @@ class HealthMonitor:
         self.config = config or HealthConfig()
         self.alerts: list[Alert] = []
         self._streak: dict[str, int] = {}
+        self._spikes: list[int] = []  # steps of the recent grad spikes
         self._history: dict[str, list[float]] = {}
         self._best: dict[str, list[float]] = {}  # reward key -> [best smoothed mean, its step]
         self._nonfinite = 0
@@ -384,10 +385,19 @@ class HealthMonitor:
         before = self._push(names.GRAD_NORM, value, cfg.window + 1)
         median = statistics.median(before) if len(before) >= cfg.min_history else 0.0
         spike = len(before) >= cfg.min_history and value > cfg.factor * max(median, 1e-12)
-        if self._held("grad_spike", "policy", spike):
+        streak = self._streak.get("grad_spike:policy", 0) + 1 if spike else 0
+        self._streak["grad_spike:policy"] = streak
+        if streak < cfg.patience:
+            return
+        # clipping contains a lone spike: the alert waits for `repeats` within the window
+        self._spikes = [s for s in self._spikes if s > step - cfg.window] + [step]
+        if len(self._spikes) == cfg.repeats:
+            earlier = ", ".join(str(s) for s in self._spikes[:-1])
             self._fire("grad_spike", step, (
                 f"grad norm {value:.3g} is {value / max(median, 1e-12):.0f}× its running median "
-                f"{median:.3g} ({len(before)} steps). Likely: a group with a tiny reward std "
+                f"{median:.3g} ({len(before)} steps)"
+                + (f", after spikes at steps {earlier}" if earlier else "") + ". Likely: a group "
+                "with a tiny reward std "
                 "(huge advantages), one long completion dominating the loss, or an outlier "
                 "reward; clipping contains one spike, repeated spikes precede divergence. Try: a "
                 "lower train.learning_rate, algorithm.advantage_scaling: batch, check the "
@@ -464,6 +474,7 @@ class HealthMonitor:
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state: counters, histories, best rewards and the alerts so far."""
         return {"alerts": [asdict(a) for a in self.alerts], "streak": dict(self._streak),
+                "spikes": list(self._spikes),
                 "history": {k: list(v) for k, v in self._history.items()},
                 "best": {k: list(v) for k, v in self._best.items()},
                 "nonfinite": self._nonfinite, "skipped": self._skipped, "steps": self._steps,
@@ -474,6 +485,7 @@ class HealthMonitor:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.alerts = [Alert(**a) for a in state["alerts"]]
         self._streak = dict(state["streak"])
+        self._spikes = list(state.get("spikes", []))  # (older states: none kept)
         self._history = {k: list(v) for k, v in state["history"].items()}
         self._best = {k: list(v) for k, v in state["best"].items()}
         self._nonfinite, self._skipped = state["nonfinite"], state["skipped"]
