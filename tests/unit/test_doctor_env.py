@@ -37,6 +37,22 @@ def test_no_gpu_report_says_so_and_shows_cpu_and_ram(no_gpu):
         total_kb = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
         assert f"RAM: {total_kb * 1024 / GIB:.2f} GiB total" in text
     assert info["cuda"]["gpus"] == [] and "warning" not in text
+    assert "CPU products: training on " in text and "; decode on " in text
+
+
+@pytest.mark.parametrize(("intel", "training"), [
+    (True, "training on MKL (an Intel CPU: MKL runs its own AVX-512 code)"),
+    (False, "training on oneDNN;")])
+def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, training):
+    from mogrpo.algo import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: not intel)
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
+    text = report(collect())
+    assert training in text
+    assert "decode on oneDNN from 256 inputs and 2^17 weights, MKL below" in text
 
 
 @pytest.fixture

@@ -79,6 +79,19 @@ def training_on_onednn() -> bool:
     return available() and not mkl_native()
 
 
+def kernels() -> dict[str, str]:
+    """Which library computes this CPU's float32 products, for `mogrpo doctor env`: the
+    training products' and the decode loop's."""
+    if not available():
+        return {"training": "MKL (this torch has no oneDNN)", "decode": "MKL"}
+    training = ("oneDNN" if training_on_onednn()
+                else "MKL (an Intel CPU: MKL runs its own AVX-512 code)")
+    decode = ("oneDNN (full-width AVX-512)" if decode_on_onednn() else
+              f"oneDNN from {DECODE_PACK_MIN_IN} inputs and 2^{DECODE_PACK_MIN.bit_length() - 1} "
+              "weights, MKL below")
+    return {"training": training, "decode": decode}
+
+
 def wide_avx512(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes AVX-512 at full width where MKL would not use it: an AMD CPU
     of family 0x1A (Zen 5) or later with AVX-512F. `cpuinfo` is /proc/cpuinfo's text (read

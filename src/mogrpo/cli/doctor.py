@@ -56,7 +56,8 @@ def _importable(module: str) -> tuple[bool, str]:
 
 
 def _cpu() -> dict[str, Any]:
-    """CPU model, logical and usable cores, RAM total and available (Linux /proc, else sysconf)."""
+    """CPU model, logical and usable cores, which library computes its float32 products, RAM
+    total and available (Linux /proc, else sysconf)."""
     info: dict[str, Any] = {"model": platform.processor() or platform.machine(),
                             "logical_cores": os.cpu_count()}
     if hasattr(os, "sched_getaffinity"):  # cores this process may use (containers, taskset)
@@ -67,6 +68,9 @@ def _cpu() -> dict[str, Any]:
             if line.startswith("model name"):
                 info["model"] = line.split(":", 1)[1].strip()
                 break
+    from mogrpo.algo.cpu_linear import kernels
+
+    info["kernels"] = kernels()  # which library computes the float32 products
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
@@ -179,6 +183,9 @@ def report(info: dict[str, Any]) -> str:
             lines.append("  this torch build has no CUDA support (a CPU wheel)")
     lines.append(f"CPU: {cpu.get('model')}, {cpu.get('logical_cores')} logical cores"
                  + (f" ({cpu['usable_cores']} usable)" if "usable_cores" in cpu else ""))
+    if "kernels" in cpu:
+        lines.append(f"CPU products: training on {cpu['kernels']['training']}; decode on "
+                     f"{cpu['kernels']['decode']}")
     if "ram_total" in cpu:
         available = f", {_gib(cpu['ram_available'])} available" if "ram_available" in cpu else ""
         lines.append(f"RAM: {_gib(cpu['ram_total'])} total{available}")
