@@ -20,12 +20,10 @@ import argparse
 import functools
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import mogrpo.rollout.native as native
 from mogrpo.algo.cpu_linear import cpu_name
@@ -111,23 +109,18 @@ def main() -> None:
     lines = ["| size | rollout | weights, tokenising | prefill | decode steps (per step) | "
              "sampling | steps without the products (per step) | products per step |",
              "|---|---|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        built = workload.build_models(Path(tmp), args.sizes, 0)
-        for size in args.sizes:
-            path = built[size]["path"]
-            model = AutoModelForCausalLM.from_pretrained(path).eval()
-            tok = AutoTokenizer.from_pretrained(path)
-            whole, stubbed = measure(model, tok, args.repeats, False), \
-                measure(model, tok, args.repeats, True)
-            steps = 31  # 32 tokens: the prefill gives the first logits
-            lines.append(
-                f"| {size} | {whole['rollout']:.1f} ms | "
-                f"{whole['rollout'] - whole['decode loop']:.1f} ms | {whole['prefill']:.1f} ms | "
-                f"{whole['steps']:.1f} ms ({whole['steps'] / steps:.2f}) | "
-                f"{whole['decode loop'] - whole['prefill'] - whole['steps']:.1f} ms | "
-                f"{stubbed['steps']:.1f} ms ({stubbed['steps'] / steps:.2f}) | "
-                f"{(whole['steps'] - stubbed['steps']) / steps:.2f} ms |")
-            print(lines[-1], flush=True)
+    for size, model, tok in workload.loaded_models(args.sizes):
+        whole, stubbed = measure(model, tok, args.repeats, False), \
+            measure(model, tok, args.repeats, True)
+        steps = 31  # 32 tokens: the prefill gives the first logits
+        lines.append(
+            f"| {size} | {whole['rollout']:.1f} ms | "
+            f"{whole['rollout'] - whole['decode loop']:.1f} ms | {whole['prefill']:.1f} ms | "
+            f"{whole['steps']:.1f} ms ({whole['steps'] / steps:.2f}) | "
+            f"{whole['decode loop'] - whole['prefill'] - whole['steps']:.1f} ms | "
+            f"{stubbed['steps']:.1f} ms ({stubbed['steps'] / steps:.2f}) | "
+            f"{(whole['steps'] - stubbed['steps']) / steps:.2f} ms |")
+        print(lines[-1], flush=True)
     lines.append(f"\nCPU time, median of {args.repeats} rollouts of 16 rows × 32 tokens after a "
                  f"warm-up; CPU: {cpu_name()}; torch {torch.__version__}, 1 thread.")
     if args.out is not None:

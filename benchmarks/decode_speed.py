@@ -23,12 +23,10 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
@@ -71,40 +69,35 @@ def main() -> None:
     # CPU; both engines run in this process under the same setting
     host_memory = "keep" if keep_freed_memory() is None else "C library defaults"
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        built = workload.build_models(Path(tmp), args.sizes, 0)
-        for size in args.sizes:
-            path = built[size]["path"]
-            model = AutoModelForCausalLM.from_pretrained(path).eval()
-            tok = AutoTokenizer.from_pretrained(path)
-            for engine in ("hf", "native"):  # warm-up, not recorded
-                time_engine(model, tok, engine, args)
-            runs: dict[str, list[float]] = {"hf": [], "native": []}
-            cpu: dict[str, list[float]] = {"hf": [], "native": []}
-            for _ in range(args.repeats):
-                for engine in ("hf", "native"):
-                    wall_rate, cpu_rate = time_engine(model, tok, engine, args)
-                    runs[engine].append(wall_rate)
-                    cpu[engine].append(cpu_rate)
-            ratios = [n / h for n, h in zip(runs["native"], runs["hf"], strict=True)]
-            cpu_ratios = [n / h for n, h in zip(cpu["native"], cpu["hf"], strict=True)]
-            rows.append({
-                "size": size, "parameters": model.num_parameters(),
-                "batch": args.prompts * args.k, "new_tokens": args.new_tokens,
-                "hf_tokens_per_s": statistics.median(runs["hf"]),
-                "native_tokens_per_s": statistics.median(runs["native"]),
-                "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-                "ratio_max": max(ratios), "runs": runs,
-                "hf_tokens_per_cpu_s": statistics.median(cpu["hf"]),
-                "native_tokens_per_cpu_s": statistics.median(cpu["native"]),
-                "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
-                "cpu_ratio_max": max(cpu_ratios), "cpu_runs": cpu,
-            })
-            r = rows[-1]
-            print(f"{size}: wall hf {r['hf_tokens_per_s']:.0f} / native "
-                  f"{r['native_tokens_per_s']:.0f} tok/s x{r['ratio']:.2f}; CPU hf "
-                  f"{r['hf_tokens_per_cpu_s']:.0f} / native {r['native_tokens_per_cpu_s']:.0f} "
-                  f"tok/s x{r['cpu_ratio']:.2f}")
+    for size, model, tok in workload.loaded_models(args.sizes):
+        for engine in ("hf", "native"):  # warm-up, not recorded
+            time_engine(model, tok, engine, args)
+        runs: dict[str, list[float]] = {"hf": [], "native": []}
+        cpu: dict[str, list[float]] = {"hf": [], "native": []}
+        for _ in range(args.repeats):
+            for engine in ("hf", "native"):
+                wall_rate, cpu_rate = time_engine(model, tok, engine, args)
+                runs[engine].append(wall_rate)
+                cpu[engine].append(cpu_rate)
+        ratios = [n / h for n, h in zip(runs["native"], runs["hf"], strict=True)]
+        cpu_ratios = [n / h for n, h in zip(cpu["native"], cpu["hf"], strict=True)]
+        rows.append({
+            "size": size, "parameters": model.num_parameters(),
+            "batch": args.prompts * args.k, "new_tokens": args.new_tokens,
+            "hf_tokens_per_s": statistics.median(runs["hf"]),
+            "native_tokens_per_s": statistics.median(runs["native"]),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "runs": runs,
+            "hf_tokens_per_cpu_s": statistics.median(cpu["hf"]),
+            "native_tokens_per_cpu_s": statistics.median(cpu["native"]),
+            "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
+            "cpu_ratio_max": max(cpu_ratios), "cpu_runs": cpu,
+        })
+        r = rows[-1]
+        print(f"{size}: wall hf {r['hf_tokens_per_s']:.0f} / native "
+              f"{r['native_tokens_per_s']:.0f} tok/s x{r['ratio']:.2f}; CPU hf "
+              f"{r['hf_tokens_per_cpu_s']:.0f} / native {r['native_tokens_per_cpu_s']:.0f} "
+              f"tok/s x{r['cpu_ratio']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
             "cpu": cpu_name(), "host_memory": host_memory}

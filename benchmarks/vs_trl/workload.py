@@ -11,6 +11,8 @@ import hashlib
 import json
 import math
 import random
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,6 +106,19 @@ def build_models(work: Path, sizes: list[str], seed: int) -> dict[str, dict[str,
     if len(hashes) > 1:
         raise RuntimeError(f"the model sizes got different tokenizers ({hashes}); they must share one")
     return built
+
+
+def loaded_models(sizes: list[str], seed: int = 0) -> Iterator[tuple[str, Any, Any]]:
+    """(size, model in eval mode, tokenizer) for each size, built in a temporary directory
+    that is removed after the last (for the benchmarks that time one process's engines)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build_models(Path(tmp), sizes, seed)
+        for size in sizes:
+            path = built[size]["path"]
+            yield (size, AutoModelForCausalLM.from_pretrained(path).eval(),
+                   AutoTokenizer.from_pretrained(path))
 
 
 def count_params(model_dir: Path) -> int:
