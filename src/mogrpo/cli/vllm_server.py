@@ -48,6 +48,7 @@ def cmd_vllm_server(args: argparse.Namespace) -> int:
     import torch
 
     from mogrpo.errors import ConfigError
+    from mogrpo.hosts import is_loopback
     from mogrpo.rollout.vllm_engine import INSTALL_HINT, import_vllm
     from mogrpo.rollout.vllm_server import TOKEN_ENV, RolloutServer, log, start_rollout_server
 
@@ -72,7 +73,7 @@ def cmd_vllm_server(args: argparse.Namespace) -> int:
     host, port = http.server_address[:2]
     if server.token is not None:
         log.info("requests must carry the token in %s", TOKEN_ENV)
-    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+    elif not is_loopback(args.host):
         log.warning("serving on %s without a token: anyone who can reach it can load weights "
                     "into it; set %s here and in the trainer's environment", args.host,
                     TOKEN_ENV)

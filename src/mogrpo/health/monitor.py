@@ -182,12 +182,16 @@ class HealthMonitor:
 
     def _held(self, check: str, series: str, condition: bool) -> bool:
         """Count consecutive steps of `condition`; True once, when the patience is reached."""
+        return self._count(check, series, condition) == getattr(self.config, check).patience
+
+    def _count(self, check: str, series: str, condition: bool) -> int:
+        """Consecutive steps of `condition` up to this one (0 when it does not hold)."""
         key = f"{check}:{series}"
         if not condition:
             self._streak.pop(key, None)
-            return False
+            return 0
         self._streak[key] = self._streak.get(key, 0) + 1
-        return self._streak[key] == getattr(self.config, check).patience
+        return self._streak[key]
 
     def _fire(self, check: str, step: int, text: str, fired: list[Alert]) -> None:
         action = getattr(self.config, check).action
@@ -385,9 +389,7 @@ class HealthMonitor:
         before = self._push(names.GRAD_NORM, value, cfg.window + 1)
         median = statistics.median(before) if len(before) >= cfg.min_history else 0.0
         spike = len(before) >= cfg.min_history and value > cfg.factor * max(median, 1e-12)
-        streak = self._streak.get("grad_spike:policy", 0) + 1 if spike else 0
-        self._streak["grad_spike:policy"] = streak
-        if streak < cfg.patience:
+        if self._count("grad_spike", "policy", spike) < cfg.patience:
             return
         # clipping contains a lone spike: the alert waits for `repeats` within the window
         self._spikes = [s for s in self._spikes if s > step - cfg.window] + [step]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import datetime
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -56,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mogrpo.errors import ConfigError
+from mogrpo.hosts import is_loopback
 from mogrpo.rollout.native import Decoded
 from mogrpo.rollout.vllm_engine import (
     completion_rows,
@@ -492,11 +492,8 @@ def _address_toward(url: str) -> str:
     """This machine's address as the server at `url` reaches it: loopback for a local
     server, else the interface the route to it leaves by (no packet is sent)."""
     host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:  # a name
-        pass
+    if is_loopback(host):
+        return "127.0.0.1"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host, urllib.parse.urlsplit(url).port or 80))
