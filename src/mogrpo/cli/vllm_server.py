@@ -48,9 +48,14 @@ def cmd_vllm_server(args: argparse.Namespace) -> int:
     import torch
 
     from mogrpo.errors import ConfigError
-    from mogrpo.hosts import is_loopback
     from mogrpo.rollout.vllm_engine import INSTALL_HINT, import_vllm
-    from mogrpo.rollout.vllm_server import TOKEN_ENV, RolloutServer, log, start_rollout_server
+    from mogrpo.rollout.vllm_server import (
+        TOKEN_ENV,
+        RolloutServer,
+        is_loopback,
+        log,
+        start_rollout_server,
+    )
 
     if not 0 <= args.port <= 65535 or not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError(f"vllm-server: --port {args.port} must be in 0..65535 and "

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -55,7 +56,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mogrpo.errors import ConfigError
-from mogrpo.hosts import is_loopback
 from mogrpo.rollout.native import Decoded
 from mogrpo.rollout.vllm_engine import (
     completion_rows,
@@ -486,6 +486,17 @@ class VLLMServerEngine:
         if "ok" not in reply:
             raise RuntimeError(f"vllm-server did not confirm the weights within "
                                f"{self.timeout_s:.0f} s")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback: `localhost`,
+    127.0.0.0/8 or ::1 (other names are not resolved)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return False
 
 
 def _address_toward(url: str) -> str:

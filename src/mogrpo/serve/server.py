@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from mogrpo.errors import ConfigError, MogrpoError
-from mogrpo.hosts import is_loopback
 from mogrpo.modeling.chat import has_chat_template, render_prompt
 from mogrpo.modeling.load import load_policy, resolve_model_dir
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
@@ -249,7 +248,7 @@ def start_server(
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                               name="mogrpo-serve", daemon=True)
     thread.start()
-    if not is_loopback(host):
+    if host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without authentication: anyone who can reach it can use "
                        "the model", host)
     return server, thread

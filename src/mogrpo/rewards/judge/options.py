@@ -25,6 +25,7 @@ looks like a key in that field is refused without being echoed.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
 import math
 import os
@@ -35,7 +36,6 @@ from urllib.parse import urlparse
 
 from mogrpo.config.sections import reward_label
 from mogrpo.errors import ConfigError, MogrpoError
-from mogrpo.hosts import is_loopback
 from mogrpo.rewards.base import resolve_reward
 from mogrpo.rewards.judge.cache import CACHE_FILE, JudgeCache
 from mogrpo.rewards.judge.client import Budget, Provider
@@ -136,7 +136,7 @@ def _provider(spec: Any, where: str) -> Provider:
             raise ConfigError(
                 f"{where}.api_key_env: environment variable {key_env} is not set (or empty); "
                 f"export {key_env}=... before the run, or drop api_key_env for a server without keys")
-        if parsed.scheme == "http" and not is_loopback(parsed.hostname):
+        if parsed.scheme == "http" and not _is_loopback(parsed.hostname):
             logger.warning("%s: the API key in %s would be sent unencrypted to %s; use https",
                            where, key_env, parsed.hostname)
     headers = spec.get("headers") or {}
@@ -160,6 +160,15 @@ def _provider(spec: Any, where: str) -> Provider:
         raise ConfigError(f"{where}.name = {name!r}: use letters, digits, '.', '-' or '_'")
     return Provider(name=name, base_url=base_url, model=model, api_key_env=key_env,
                     api_key_header=key_header, headers=dict(headers), extra_body=dict(extra))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _number(options: dict[str, Any], name: str, default: float, where: str, *, low: float,
