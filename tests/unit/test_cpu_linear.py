@@ -231,20 +231,46 @@ def test_cpu_name_tells_the_family_a_bare_model_name_hides():
     assert cpu_linear.cpu_name("") == "unknown CPU"
 
 
-def test_decode_weights_are_packed_from_the_size_where_onednn_wins(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)  # Zen 4, Intel
+@pytest.fixture
+def decode_rule(monkeypatch):
+    """Sets which CPU's decode rule applies: "wide" (full-width AVX-512: oneDNN throughout),
+    "intel" (MKL's own code: small weights column-major) or "amd" (MKL's AVX2 code: small
+    weights as they are); large weights are packed for oneDNN on all three."""
+    def use(rule: str) -> None:
+        monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: rule == "wide")
+        monkeypatch.setattr(cpu_linear, "decode_column_major", lambda: rule == "intel")
+    return use
+
+
+@pytest.mark.parametrize("rule", ["intel", "amd"])
+def test_decode_weights_are_packed_from_the_size_where_onednn_wins(decode_rule, rule):
+    decode_rule(rule)
     assert decode_weight(torch.randn(512, 256)).is_mkldnn  # 256 inputs, 2^17 elements
     for shape in [(256, 256), (1280, 128), (128, 640)]:  # MKL's product is the faster one
         small = torch.randn(shape)
-        assert decode_weight(small) is small
+        weight = decode_weight(small)
+        assert not weight.is_mkldnn and torch.equal(weight, small)
+        if rule == "intel":  # a copy, stored [in, out]: MKL multiplies it untransposed
+            assert weight.stride() == (1, shape[0]) and weight.data_ptr() != small.data_ptr()
+        else:
+            assert weight is small
     small = torch.randn(1280, 64)
-    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: True)  # full-width AVX-512
+    decode_rule("wide")
     assert decode_weight(small).is_mkldnn
 
 
-@pytest.mark.parametrize("on_onednn", [True, False])
-def test_decode_products_follow_the_cpu_rule(monkeypatch, on_onednn):
-    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: on_onednn)
+def test_column_major_leaves_what_it_cannot_lay_out_alone():
+    for w in (torch.randn(8), torch.randn(2, 3, 4)):
+        assert cpu_linear.column_major(w) is w
+    w = torch.randn(5, 3, requires_grad=True)
+    copy = cpu_linear.column_major(w)
+    assert not copy.requires_grad and torch.equal(copy, w.detach())
+
+
+@pytest.mark.parametrize("rule", ["wide", "intel", "amd"])
+def test_decode_products_follow_the_cpu_rule(monkeypatch, decode_rule, rule):
+    decode_rule(rule)
+    on_onednn = rule == "wide"
     torch.manual_seed(0)
     x, w, b = torch.randn(16, 48), torch.randn(96, 48), torch.randn(96)
     weight = decode_weight(w)
@@ -255,9 +281,9 @@ def test_decode_products_follow_the_cpu_rule(monkeypatch, on_onednn):
                         lambda *a: calls.append(1) or original(*a))
     out = decode_linear(x, weight, b)
     assert len(calls) == int(on_onednn)
-    if on_onednn:
-        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    else:  # the BLAS F.linear itself, bit for bit
+    if rule == "amd":  # the BLAS F.linear itself, bit for bit
         assert torch.equal(out, F.linear(x, w, b))
+    else:  # another kernel or operand layout: the same product, summed in another order
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     decode_linear(x, w, b)  # an unpacked weight (the output head's) takes the same kernel
     assert len(calls) == 2 * int(on_onednn)

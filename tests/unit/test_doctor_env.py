@@ -50,9 +50,11 @@ def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, tr
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: not intel)
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
+    monkeypatch.setattr(cpu_linear, "decode_column_major", lambda: intel)
     text = report(collect())
     assert training in text
-    assert "decode on oneDNN from 256 inputs and 2^17 weights, MKL below" in text
+    below = "MKL on column-major weights below" if intel else "MKL below"
+    assert f"decode on oneDNN from 256 inputs and 2^17 weights, {below}" in text
 
 
 @pytest.fixture

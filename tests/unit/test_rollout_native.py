@@ -65,15 +65,18 @@ def training_logprobs(model, ro, temperature):
                                    ro.completion_mask, temperature=temperature)[0]
 
 
-@pytest.fixture(params=["blas", "onednn"])
+@pytest.fixture(params=["blas", "blas-columns", "onednn"])
 def decode_kernel(request, monkeypatch):
-    """Both kernels the decode loop's products may run on (which one depends on the CPU: see
-    `cpu_linear.decode_on_onednn`), whatever this machine's CPU."""
+    """Each kernel and layout the decode loop's products may run on (which one depends on the
+    CPU: see `cpu_linear.decode_on_onednn` and `decode_column_major`), whatever this machine's
+    CPU: the BLAS on weights as they are or column-major, or oneDNN."""
     from mogrpo.algo import cpu_linear
 
     if request.param == "onednn" and not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
+    monkeypatch.setattr(cpu_linear, "decode_column_major",
+                        lambda: request.param == "blas-columns")
     return request.param
 
 
@@ -82,6 +85,8 @@ def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kern
     model = family_model(family, tok)
     plain = NativeDecoder(model).plain
     assert plain[0].qkv[0].is_mkldnn == (decode_kernel == "onednn")  # tiny: MKL unless wide
+    if decode_kernel != "onednn":  # stored [in, out] for the BLAS where that is faster
+        assert plain[0].qkv[0].is_contiguous() == (decode_kernel == "blas")
     hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
     # A token the greedy rows emit mid-way becomes a stop id: rows then finish at different
     # steps and leave the native batch one by one.
@@ -95,6 +100,20 @@ def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kern
     assert len(set(native.lengths.tolist())) > 1  # rows really did finish at different steps
     reference = training_logprobs(model, native, 1.0)
     torch.testing.assert_close(native.sampler_logp, reference, atol=1e-5, rtol=0)
+
+
+def test_the_output_head_is_laid_out_for_the_decode_kernel_up_to_a_size(tok, monkeypatch):
+    from mogrpo.algo import cpu_linear
+    from mogrpo.rollout import native
+
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
+    monkeypatch.setattr(cpu_linear, "decode_column_major", lambda: True)
+    model = family_model("qwen2", tok)
+    head = model.get_output_embeddings().weight
+    copy = NativeDecoder(model).head_weight  # a small head: copied column-major
+    assert torch.equal(copy, head) and copy.stride() == (1, head.shape[0])
+    monkeypatch.setattr(native, "HEAD_COPY_MAX_BYTES", head.numel() * 4 - 1)
+    assert NativeDecoder(model).head_weight is head  # a larger one: read in place
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -51,6 +51,7 @@ _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 # a 114 M-parameter Qwen2 decodes 16 rows x 32 tokens in 2.1 s of CPU through them and in
 # 3.1 s through its modules (Zen 4, one thread).
 PLAIN_MAX_BYTES = 256 * 2**20
+HEAD_COPY_MAX_BYTES = 16 * 2**20
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -118,6 +119,7 @@ class Projections:
     (~16 ms a call at 8 M parameters)."""
 
     layers: list[_Plain] | None
+    head: Tensor | None = None  # the output head's weight as `_head_weight` gives it
 
 
 def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projections:
@@ -127,7 +129,18 @@ def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projec
     attention, halves = _layout_of(lm)
     pairs = _pairs(lm, halves)
     return Projections(plain_projections(list(lm.model.layers), attention if pairs else None,
-                                         max_bytes=max_bytes))
+                                         max_bytes=max_bytes),
+                       _head_weight(lm.get_output_embeddings()))
+
+
+def _head_weight(head: nn.Module) -> Tensor | None:
+    """The weight of an `nn.Linear` output head as `decode_weight` lays it out, where that copy
+    takes at most HEAD_COPY_MAX_BYTES (a large vocabulary's head is read in place: its product
+    is throughput-bound however it is laid out); None for other heads (their module runs)."""
+    if type(head) is not nn.Linear:
+        return None
+    w = head.weight
+    return decode_weight(w) if w.numel() * w.element_size() <= HEAD_COPY_MAX_BYTES else w
 
 
 def _pairs(lm: nn.Module, halves: bool) -> bool:
@@ -147,8 +160,9 @@ class NativeDecoder:
         self.layers = list(self.backbone.layers)
         self.attention, halves = _layout_of(lm)
         pairs = _pairs(lm, halves)
-        # None: call the modules
-        self.plain = (projections or decode_projections(model)).layers
+        projections = projections or decode_projections(model)
+        self.plain = projections.layers  # None: call the modules
+        self.head_weight = projections.head
         self.rotate_halves = self.plain is not None and halves
         self.pairs = self.rotate_halves and pairs
         self.final_norm = _rms_norm_of(self.backbone.norm)
@@ -306,8 +320,8 @@ class NativeDecoder:
 
     def _logits(self, hidden: Tensor) -> Tensor:
         hidden = _norm(self.backbone.norm, self.final_norm, hidden)
-        if type(self.head) is nn.Linear:
-            return decode_linear(hidden, self.head.weight, self.head.bias).float()  # [B, V]
+        if self.head_weight is not None:
+            return decode_linear(hidden, self.head_weight, self.head.bias).float()  # [B, V]
         return self.head(hidden).float()
 
     def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
