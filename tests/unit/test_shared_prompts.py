@@ -146,6 +146,9 @@ def test_gradient_checkpointing_keeps_the_one_pass():
     assert shares_prompts(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert not shares_prompts(model)
+    from mogrpo.rollout.native import score_logits
+
+    assert score_logits(model, *_batch()) is None  # nor mogrpo's forward, which keeps all
 
 
 WRAPPED = """
@@ -169,6 +172,9 @@ ids, mask = torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.ones(2, 3, dtype=torch.l
 with torch.no_grad():  # the scoring forward reads weights directly: not FSDP2's shards
     print(score_logits(model, ids, mask, ids, mask) is not None,
           score_logits(sharded, ids, mask, ids, mask) is None)
+# with gradients: the model's own, never through DDP (its forward prepares the reduction)
+print(score_logits(model, ids, mask, ids, mask) is not None,
+      score_logits(ddp, ids, mask, ids, mask) is None)
 dist.barrier()
 dist.destroy_process_group()
 time.sleep(DRAIN_S)  # gloo's threads finish before the interpreter shuts down
@@ -182,7 +188,7 @@ def test_ddp_and_fsdp2_keep_the_one_pass_and_fsdp2_its_own_forward(tmp_path):
 
     tests = str(Path(__file__).resolve().parents[1])
     done = run(["-c", WRAPPED, str(tmp_path / "store"), tests])
-    assert done.stdout.split() == ["True", "False", "False", "True", "True"]
+    assert done.stdout.split() == ["True", "False", "False", "True", "True", "True", "True"]
 
 
 # mogrpo's own forward for passes without gradients (rollout/native.score_logits)
@@ -228,14 +234,66 @@ def test_scoring_forward_reads_base_weights_only_with_adapters_off():
     assert (adapted - expected).abs().max() > 1e-3  # the adapters do change the log-probs
 
 
-def test_scoring_forward_needs_no_gradients_and_handles_one_token():
+def test_scoring_forward_handles_one_token():
     from mogrpo.rollout.native import score_logits
 
     model = _model("llama").eval()
     batch = _batch()
-    assert score_logits(model, *batch) is None  # gradients on: the model's forward
     one = (batch[0], batch[1], batch[2][:, :1], torch.ones_like(batch[3][:, :1]))
     with torch.no_grad():
         expected, _ = completion_logprobs(model, *one)
         got, _ = completion_logprobs(model, *one, forward=score_logits)
     assert torch.equal(got, expected)
+
+
+@pytest.fixture(params=["mkl", "onednn"])
+def training_kernel(request, monkeypatch):
+    """Both kernels the training products may run on (`cpu_linear.training_on_onednn`)."""
+    from mogrpo.algo import cpu_linear
+
+    if request.param == "onednn" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: request.param == "onednn")
+    return request.param
+
+
+@pytest.mark.parametrize("family", sorted(SCORED))
+def test_the_update_forward_gives_the_models_log_probs_and_gradients(family, training_kernel):
+    from mogrpo.rollout.native import score_logits
+
+    model = _model(family)
+    batch = _batch()
+    assert score_logits(model, *batch) is not None  # with gradients: mogrpo's own forward
+    expected, _ = completion_logprobs(model, *batch, temperature=0.8)
+    expected.sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    got, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_logits)
+    got.sum().backward()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for p, e in zip(model.parameters(), expected_grads, strict=True):  # tied weights included
+        torch.testing.assert_close(p.grad, e, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # the reference's pass: the same log-probs to the bit (KL exactly 0)
+        scored, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_logits)
+    assert torch.equal(got.detach(), scored)
+
+
+def test_the_update_forward_is_the_models_own_where_dropout_is_left():
+    from mogrpo.rollout.native import score_logits
+
+    model = _model("llama")
+    batch = _batch()
+    model.model.layers[0].mlp.register_module("drop", torch.nn.Dropout(0.1))
+    assert score_logits(model, *batch) is None  # mogrpo's forward would skip the dropout
+    with torch.no_grad():  # (no pass without gradients trains: the module is off there)
+        assert score_logits(model, *batch) is not None
+
+
+def test_the_update_forward_keeps_a_compiled_models_own():
+    from mogrpo.rollout.native import score_logits, trains_here
+
+    model = _model("llama")
+    assert trains_here(model)
+    compiled = torch.compile(model)  # (compiles nothing until called)
+    assert not trains_here(compiled)
+    assert score_logits(compiled, *_batch()) is None

@@ -310,9 +310,16 @@ class CPULinear(nn.Linear):
     `mogrpo.modeling.lora_linear`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if training_on_onednn() and usable(x, self.weight):
-            return _Linear.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return trained_linear(x, self.weight, self.bias)
+
+
+def trained_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """`F.linear(x, w, b)` with autograd, forward and backward on the training products'
+    kernel: `_Linear` where they run on oneDNN, else `F.linear` itself (what a `CPULinear`
+    computes; `linear` is the same forward without autograd)."""
+    if training_on_onednn() and usable(x, w):
+        return _Linear.apply(x, w, b)
+    return F.linear(x, w, b)
 
 
 @contextmanager

@@ -320,8 +320,11 @@ class GRPOTrainer:
                     continue
                 args = _slice(ro, rows)
                 width = args[2].shape[1]
+                # on a CPU mogrpo's own forward where it applies (`trains_here`): the old and
+                # reference passes' arithmetic, in fewer operations than the model's forward
                 logp, entropy = completion_logprobs(
                     policy, *args, temperature=self.ctx.sampling.temperature, with_entropy=it == 0,
+                    forward=score_logits,
                 )
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
