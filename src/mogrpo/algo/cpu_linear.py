@@ -27,12 +27,12 @@ elsewhere from those sizes on; the rest run on MKL. On Intel CPUs those go to MK
 (`decode_column_major`): MKL's own code multiplies [16, in] by a stored [in, out] faster than
 by the transpose of a stored [out, in], which is how `F.linear` hands it a weight (Xeon, 16
 rows, weights in cache: 128 x 640 25 us against 151, 128 x 1280 51 against 75, 128 x 384 17
-against 26; the vs_trl 0.7 M-parameter model decodes ~15 % faster). For the packed sizes the
+against 26; the vs_trl 0.7 M-parameter model's rollout 1.2x faster). For the packed sizes the
 gain does not survive streaming the weights from memory (the 32 M-parameter model decoded 20 %
-slower column-major than packed), and at training rows (750) the plain layout is the faster. The rule is fixed per CPU model and shape
-rather than timed at start: a timed choice could differ between two runs of the same seed on
-the same machine, and the kernels differ in float rounding. It is the same float32 product
-either way (IEEE, no reduced precision); only the summation order differs (~1e-6 relative).
+slower column-major than packed), and at training rows (750) the plain layout is the faster.
+The rule is fixed per CPU model and shape rather than timed at start: a timed choice could
+differ between two runs of the same seed on the same machine, and the kernels differ in float
+rounding. It is the same float32 product either way (IEEE, no reduced precision); only the summation order differs (~1e-6 relative).
 
 `linear(x, w, b)` is the training products' kernel without autograd (the KL reference's
 forward); `decode_weight` and `decode_linear` are the decode loop's (weights packed once per
