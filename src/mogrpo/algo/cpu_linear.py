@@ -32,7 +32,8 @@ gain does not survive streaming the weights from memory (the 32 M-parameter mode
 slower column-major than packed), and at training rows (750) the plain layout is the faster.
 The rule is fixed per CPU model and shape rather than timed at start: a timed choice could
 differ between two runs of the same seed on the same machine, and the kernels differ in float
-rounding. It is the same float32 product either way (IEEE, no reduced precision); only the summation order differs (~1e-6 relative).
+rounding. It is the same float32 product either way (IEEE, no reduced precision); only the
+summation order differs (~1e-6 relative).
 
 `linear(x, w, b)` is the training products' kernel without autograd (the KL reference's
 forward); `decode_weight` and `decode_linear` are the decode loop's (weights packed once per
