@@ -785,9 +785,9 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
     The Hugging Face forward of rows sharing prompts (`groups` from `distinct_prompts`, found
     here when not given; None when every row has its own prompt) in fewer operations: each
     distinct prompt once, its keys and values reused by the rows that hold it; RMSNorm as
-    `F.rms_norm`; q and k turned with rotate_half's products and sums in four operations each; masks built once; each
-    projection through the same linear kernel as the model's. Prompts are left-padded,
-    completions right-padded (as `completion_logprobs` takes them).
+    `F.rms_norm`; q and k turned with rotate_half's products and sums in four operations each;
+    masks built once; each projection through the same linear kernel as the model's. Prompts
+    are left-padded, completions right-padded (as `completion_logprobs` takes them).
 
     With gradients enabled it runs where `trains_here` allows (CPU weights, the model's own
     forward otherwise: its hooks, checkpointing or dropout), each product then on
