@@ -173,13 +173,13 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     w and where it applies to a plain one on `training_on_onednn` CPUs; no autograd."""
     if training_on_onednn():
         return _onednn_linear(x, w, b)
-    return _packed_linear(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
+    return _onednn_op(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
 
 
 def _onednn_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """`F.linear` on oneDNN where it applies (or w is packed), else `F.linear` itself."""
     if w.is_mkldnn or usable(x, w):
-        return _packed_linear(x, w, b)
+        return _onednn_op(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -231,16 +231,13 @@ def decode_kernel(w: Tensor) -> Callable[[Tensor, Tensor, Tensor | None], Tensor
     """The function `decode_linear` computes with for weights like `w`, to look up once per
     weight rather than per call (a decode step of a small model is mostly call overhead)."""
     if w.is_mkldnn:
-        return _packed_linear
+        return _onednn_op
     return _onednn_linear if decode_on_onednn() else F.linear
 
 
-def _packed_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")  # (decode: no extra call)
-
-
-def _pointwise(*args) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(*args)
+def _onednn_op(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """x [..., in] times w^T (packed or plain [out, in]) plus b, on oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 class _Linear(torch.autograd.Function):
@@ -250,7 +247,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return _pointwise(x, w, b, "none", [], "")
+        return _onednn_op(x, w, b)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -284,7 +281,7 @@ def product(a: Tensor, b: Tensor) -> Tensor:
         return torch.matmul(a, b.t())
     a = a if _plain_strides(a) else a.contiguous()
     b = b if _plain_strides(b) else b.contiguous()
-    return _pointwise(a, b, None, "none", [], "")
+    return _onednn_op(a, b, None)
 
 
 def weight_product(grad: Tensor, x: Tensor) -> Tensor:

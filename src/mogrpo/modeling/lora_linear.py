@@ -15,8 +15,8 @@ bias's only if they are trained). The dropout zeroes `lora_dropout.dropped_posit
 `FastDropout` draws its mask, so a run samples the same masks as through peft, and the backward
 keeps those positions instead of a mask. On the vs_trl 0.7 M-parameter model the LoRA training
 forward takes ~20 ms instead of ~25 (on an AMD EPYC, oneDNN); on an Intel Xeon, on MKL, the
-forward and backward take ~70 ms instead of ~85. With B = 0 (fresh adapters) the output equals the base
-layer's to the last bit, as peft's does. Anything else — several or mixed adapters, DoRA and
+forward and backward take ~70 ms instead of ~85. With B = 0 (fresh adapters) the output equals
+the base layer's to the last bit, as peft's does. Anything else — several or mixed adapters, DoRA and
 other variants, LoRA bias, merged or disabled adapters, quantised bases, GPUs, other dtypes,
 calls outside that context — runs peft's own forward.
 """

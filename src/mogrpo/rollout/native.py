@@ -859,7 +859,7 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
 def trains_here(model: nn.Module) -> bool:
     """Whether `score_logits` may compute `model`'s update forward, with gradients: CPU
     weights (where it is measured faster than the Hugging Face forward: forward and backward
-    ~8 % less time at 0.7 M parameters on a Xeon), a forward that may share prompts
+    4-8 % less time at 0.7 M parameters on a Xeon: `benchmarks/cpu_choices.py`), a forward that may share prompts
     (`shares_prompts`: no DDP wrapper, whose forward prepares its gradient reduction, no
     activation checkpointing), not torch.compile'd (the compiled forward is kept), and no
     dropout left in the model (`score_logits` applies none)."""
