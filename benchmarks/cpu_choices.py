@@ -6,9 +6,9 @@
 On the vs_trl benchmark's models, prompts and settings (16 rows: 4 prompts x 4 completions,
 32 new tokens, 1 torch thread):
 
-- **decode layout**: a native rollout with the decode loop's small weights stored column-major
-  for MKL (`cpu_linear.decode_column_major`, chosen on Intel CPUs) against the same weights as
-  they are. Large weights are packed for oneDNN either way.
+- **decode weights**: a native rollout with every decode weight packed for MKL's packed product
+  (`cpu_linear.decode_on_mkl`, chosen on Intel CPUs) against the rule for other CPUs: large
+  weights packed for oneDNN, the rest as they are.
 - **update forward**: the forward and backward of the update's log-probs on mogrpo's own
   forward (`rollout.native.score_logits` with gradients, chosen on CPUs where `trains_here`)
   against the model's Hugging Face forward, on one rollout's completions.
@@ -60,13 +60,13 @@ def alternate(arms: dict[str, Callable[[], None]], repeats: int) -> dict[str, li
     return spent
 
 
-def rollout_arm(model, tok, column_major: bool) -> Callable[[], None]:
+def rollout_arm(model, tok, on_mkl: bool) -> Callable[[], None]:
     settings = SamplingSettings(max_new_tokens=32, temperature=1.0,
                                 stop_token_ids=[len(tok) + 7])  # no row stops early
     prompts = [row["prompt"] for row in workload.prompt_rows(0, 4)]
 
     def run() -> None:
-        cpu_linear.decode_column_major = lambda: column_major
+        cpu_linear.decode_on_mkl = lambda: on_mkl
         generate_rollout(model, tok, prompts, settings, num_generations=4,
                          max_prompt_length=64, engine="native", generator_seed=0)
     return run
@@ -98,13 +98,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     keep_freed_memory()  # as `mogrpo train` runs on a CPU
-    chosen = cpu_linear.decode_column_major()
+    chosen = cpu_linear.decode_on_mkl()
     rows = []
     for size, model, tok in workload.loaded_models(args.sizes):
         spent = alternate({"mogrpo": rollout_arm(model, tok, chosen),
                            "alternative": rollout_arm(model, tok, not chosen)}, args.repeats)
-        cpu_linear.decode_column_major = lambda: chosen
-        rows.append(row(size, "decode layout", spent))
+        cpu_linear.decode_on_mkl = lambda: chosen
+        rows.append(row(size, "decode weights", spent))
         settings = SamplingSettings(max_new_tokens=32, temperature=1.0)
         prompts = [r["prompt"] for r in workload.prompt_rows(0, 4)]
         ro = generate_rollout(model, tok, prompts, settings, num_generations=4,
@@ -119,12 +119,12 @@ def main() -> None:
         for r in rows[-2:]:
             print(f"{size} {r['choice']}: mogrpo {r['mogrpo_ms']:.1f} ms, alternative "
                   f"{r['alternative_ms']:.1f} ms, x{r['ratio']:.3f}", flush=True)
-    layout = "column-major (MKL)" if chosen else "as they are"
+    layout = "packed for MKL" if chosen else "packed for oneDNN from 2^17, the rest as they are"
     meta = {"torch": torch.__version__, "repeats": args.repeats, "cpu": cpu_name(),
             "decode_layout_chosen": layout}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    arms = {"decode layout": (f"small weights {layout}", "the other layout"),
+    arms = {"decode weights": (layout, "the other rule"),
             "update forward": ("mogrpo's forward", "the model's forward")}
     lines = ["| size | choice | mogrpo's arm | alternative | CPU mogrpo / alternative | "
              "alternative / mogrpo (min–max) |", "|---|---|---|---|---|---|"]
@@ -134,7 +134,7 @@ def main() -> None:
                      f"{r['mogrpo_ms']:.1f} / {r['alternative_ms']:.1f} ms | "
                      f"**{r['ratio']:.3f}×** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
     lines.append(f"\nCPU: {meta['cpu']}; torch {meta['torch']}, 1 thread, {args.repeats} "
-                 "repeats after a warm-up, the arms alternated in one process. Decode layout: "
+                 "repeats after a warm-up, the arms alternated in one process. Decode weights: "
                  "a native rollout of 16 rows x 32 tokens. Update forward: the forward and "
                  "backward of one such rollout's log-probs.")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

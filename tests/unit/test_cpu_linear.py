@@ -231,40 +231,65 @@ def test_cpu_name_tells_the_family_a_bare_model_name_hides():
     assert cpu_linear.cpu_name("") == "unknown CPU"
 
 
+needs_mkl_packing = pytest.mark.skipif(not cpu_linear.mkl_packing(),
+                                       reason="this torch has no MKL packed product")
+
+
 @pytest.fixture
 def decode_rule(monkeypatch):
     """Sets which CPU's decode rule applies: "wide" (full-width AVX-512: oneDNN throughout),
-    "intel" (MKL's own code: small weights column-major) or "amd" (MKL's AVX2 code: small
-    weights as they are); large weights are packed for oneDNN on all three."""
+    "intel" (MKL's own code: every weight packed for MKL) or "amd" (MKL's AVX2 code: large
+    weights packed for oneDNN, the rest as they are)."""
     def use(rule: str) -> None:
+        if rule == "intel" and not cpu_linear.mkl_packing():
+            pytest.skip("this torch has no MKL packed product")
         monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: rule == "wide")
-        monkeypatch.setattr(cpu_linear, "decode_column_major", lambda: rule == "intel")
+        monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: rule == "intel")
     return use
 
 
-@pytest.mark.parametrize("rule", ["intel", "amd"])
-def test_decode_weights_are_packed_from_the_size_where_onednn_wins(decode_rule, rule):
-    decode_rule(rule)
+def test_decode_weights_are_packed_for_onednn_from_the_size_where_it_wins(decode_rule):
+    decode_rule("amd")
     assert decode_weight(torch.randn(512, 256)).is_mkldnn  # 256 inputs, 2^17 elements
     for shape in [(256, 256), (1280, 128), (128, 640)]:  # MKL's product is the faster one
         small = torch.randn(shape)
-        weight = decode_weight(small)
-        assert not weight.is_mkldnn and torch.equal(weight, small)
-        if rule == "intel":  # a copy, stored [in, out]: MKL multiplies it untransposed
-            assert weight.stride() == (1, shape[0]) and weight.data_ptr() != small.data_ptr()
-        else:
-            assert weight is small
+        assert decode_weight(small) is small
     small = torch.randn(1280, 64)
     decode_rule("wide")
     assert decode_weight(small).is_mkldnn
 
 
-def test_column_major_leaves_what_it_cannot_lay_out_alone():
-    for w in (torch.randn(8), torch.randn(2, 3, 4)):
-        assert cpu_linear.column_major(w) is w
-    w = torch.randn(5, 3, requires_grad=True)
-    copy = cpu_linear.column_major(w)
-    assert not copy.requires_grad and torch.equal(copy, w.detach())
+def test_on_intel_cpus_every_decode_weight_is_packed_for_mkl(decode_rule):
+    decode_rule("intel")
+    for shape in [(512, 256), (256, 256), (1280, 128), (5, 3)]:
+        packed = decode_weight(torch.randn(shape))
+        assert isinstance(packed, cpu_linear.MKLPacked) and packed.shape == shape
+        assert cpu_linear.decode_kernel(packed) is cpu_linear.mkl_packed_linear
+    # what the packed product cannot take stays as it is, whatever the CPU
+    for w in (torch.randn(8), torch.randn(2, 3, 4), torch.randn(4, 3, dtype=torch.float64)):
+        assert decode_weight(w) is w
+
+
+@needs_mkl_packing
+@pytest.mark.parametrize("bias", [True, False])
+def test_mkl_packed_products_equal_f_linear_at_any_rows(bias):
+    """Packed once for the decode loop's rows, the product takes any number: fewer as rows
+    finish, the prefill's prompts x positions, inputs with a leading batch dimension."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 48, requires_grad=True)
+    b = torch.randn(96) if bias else None
+    packed = cpu_linear.MKLPacked(w)
+    assert packed.shape_of.untyped_storage().nbytes() <= 4  # no second copy of w
+    for rows in [1, 3, 15, cpu_linear.MKL_PACK_ROWS, 17, 48, 300]:
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(cpu_linear.mkl_packed_linear(x, packed, b),
+                                   F.linear(x, w.detach(), b), atol=1e-5, rtol=1e-5)
+    x = torch.randn(4, 12, 96)[..., ::2]  # [4, 12, 48], not contiguous
+    out = decode_linear(x, packed, b)
+    assert out.shape == (4, 12, 96)
+    torch.testing.assert_close(out, F.linear(x, w.detach(), b), atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # as the decode loop calls it
+        torch.testing.assert_close(decode_linear(x, packed, b), out, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("rule", ["wide", "intel", "amd"])
@@ -274,7 +299,9 @@ def test_decode_products_follow_the_cpu_rule(monkeypatch, decode_rule, rule):
     torch.manual_seed(0)
     x, w, b = torch.randn(16, 48), torch.randn(96, 48), torch.randn(96)
     weight = decode_weight(w)
-    assert weight.is_mkldnn == on_onednn  # small: packed only where every product is oneDNN's
+    # small: packed for oneDNN only where every product is oneDNN's; for MKL on Intel CPUs
+    assert isinstance(weight, cpu_linear.MKLPacked) == (rule == "intel")
+    assert rule == "intel" or weight.is_mkldnn == on_onednn
     calls = []
     original = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",

@@ -50,11 +50,13 @@ def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, tr
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: not intel)
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
-    monkeypatch.setattr(cpu_linear, "decode_column_major", lambda: intel)
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: intel)
     text = report(collect())
     assert training in text
-    below = "MKL on column-major weights below" if intel else "MKL below"
-    assert f"decode on oneDNN from 256 inputs and 2^17 weights, {below}" in text
+    if intel:
+        assert "decode on MKL on packed weights" in text
+    else:
+        assert "decode on oneDNN from 256 inputs and 2^17 weights, MKL below" in text
 
 
 @pytest.fixture

@@ -65,28 +65,30 @@ def training_logprobs(model, ro, temperature):
                                    ro.completion_mask, temperature=temperature)[0]
 
 
-@pytest.fixture(params=["blas", "blas-columns", "onednn"])
+@pytest.fixture(params=["blas", "mkl-packed", "onednn"])
 def decode_kernel(request, monkeypatch):
-    """Each kernel and layout the decode loop's products may run on (which one depends on the
-    CPU: see `cpu_linear.decode_on_onednn` and `decode_column_major`), whatever this machine's
-    CPU: the BLAS on weights as they are or column-major, or oneDNN."""
+    """Each kernel the decode loop's products may run on (which one depends on the CPU: see
+    `cpu_linear.decode_on_onednn` and `decode_on_mkl`), whatever this machine's CPU: the BLAS
+    on weights as they are, MKL on packed weights, or oneDNN."""
     from mogrpo.algo import cpu_linear
 
     if request.param == "onednn" and not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")
+    if request.param == "mkl-packed" and not cpu_linear.mkl_packing():
+        pytest.skip("this torch has no MKL packed product")
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
-    monkeypatch.setattr(cpu_linear, "decode_column_major",
-                        lambda: request.param == "blas-columns")
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: request.param == "mkl-packed")
     return request.param
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kernel):
+    from mogrpo.algo.cpu_linear import MKLPacked
+
     model = family_model(family, tok)
-    plain = NativeDecoder(model).plain
-    assert plain[0].qkv[0].is_mkldnn == (decode_kernel == "onednn")  # tiny: MKL unless wide
-    if decode_kernel != "onednn":  # stored [in, out] for the BLAS where that is faster
-        assert plain[0].qkv[0].is_contiguous() == (decode_kernel == "blas")
+    qkv = NativeDecoder(model).plain[0].qkv[0]
+    assert isinstance(qkv, MKLPacked) == (decode_kernel == "mkl-packed")
+    assert decode_kernel == "mkl-packed" or qkv.is_mkldnn == (decode_kernel == "onednn")
     hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
     # A token the greedy rows emit mid-way becomes a stop id: rows then finish at different
     # steps and leave the native batch one by one.
@@ -106,12 +108,17 @@ def test_the_output_head_is_laid_out_for_the_decode_kernel_up_to_a_size(tok, mon
     from mogrpo.algo import cpu_linear
     from mogrpo.rollout import native
 
+    if not cpu_linear.mkl_packing():
+        pytest.skip("this torch has no MKL packed product")
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
-    monkeypatch.setattr(cpu_linear, "decode_column_major", lambda: True)
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
     model = family_model("qwen2", tok)
     head = model.get_output_embeddings().weight
-    copy = NativeDecoder(model).head_weight  # a small head: copied column-major
-    assert torch.equal(copy, head) and copy.stride() == (1, head.shape[0])
+    packed = NativeDecoder(model).head_weight  # a small head: packed for MKL
+    assert isinstance(packed, cpu_linear.MKLPacked) and packed.shape == head.shape
+    x = torch.randn(3, head.shape[1])
+    torch.testing.assert_close(cpu_linear.decode_linear(x, packed), x @ head.detach().t(),
+                               atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(native, "HEAD_COPY_MAX_BYTES", head.numel() * 4 - 1)
     assert NativeDecoder(model).head_weight is head  # a larger one: read in place
 

@@ -20,16 +20,17 @@ matter of fixed cost per call against throughput. On Zen 4 at 16 rows, oneDNN on
 is 1.1-1.6x faster than MKL from 256 inputs and in x out = 2^17 up (256 x 512 1.08x, 256 x 768
 1.16x, 960 x 256 1.14x, 512 x 3840 1.64x; a whole decode step of the vs_trl 32 M-parameter
 model 17 ms instead of 30) and slower below (640 x 128 0.90x, 128 x 384 0.75x, 128 x 128
-0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step); the Xeon agrees within noise
-(256 x 768 0.97x, 256 x 1920 1.15x, 512 x 3840 1.71x, 128 x 384 0.51x). Decode weights are
-therefore packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and
-elsewhere from those sizes on; the rest run on MKL. On Intel CPUs those go to MKL column-major
-(`decode_column_major`): MKL's own code multiplies [16, in] by a stored [in, out] faster than
-by the transpose of a stored [out, in], which is how `F.linear` hands it a weight (Xeon, 16
-rows, weights in cache: 128 x 640 25 us against 151, 128 x 1280 51 against 75, 128 x 384 17
-against 26; the vs_trl 0.7 M-parameter model's rollout 1.2x faster). For the packed sizes the
-gain does not survive streaming the weights from memory (the 32 M-parameter model decoded 20 %
-slower column-major than packed), and at training rows (750) the plain layout is the faster.
+0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step). Decode weights are therefore
+packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and elsewhere
+from those sizes on; the rest run on MKL. On Intel CPUs (`decode_on_mkl`) every decode weight is
+packed for MKL's own packed product instead (`MKLPacked`, `cblas_sgemm_pack`). MKL's sgemm
+copies its weight operand into that layout at every call; a packed weight is read once per
+product, in the order the kernel consumes it. Weights held in cache gain nothing (the vs_trl
+0.7 M-parameter model's rollout is unchanged); weights streamed from memory do (8 M parameters
+1.13x, 32 M 1.08x faster than the former rule of oneDNN for the large weights and column-major
+MKL for the rest). At training rows (hundreds) the copy is a small share and the weights change
+at every step, so the training products stay on the plain kernels.
+
 The rule is fixed per CPU model and shape rather than timed at start: a timed choice could
 differ between two runs of the same seed on the same machine, and the kernels differ in float
 rounding. It is the same float32 product either way (IEEE, no reduced precision); only the
@@ -37,7 +38,7 @@ summation order differs (~1e-6 relative).
 
 `linear(x, w, b)` is the training products' kernel without autograd (the KL reference's
 forward); `decode_weight` and `decode_linear` are the decode loop's (weights packed once per
-decode call where oneDNN runs); `cpu_linears()` is a context in which every `nn.Linear` of a
+rollout); `cpu_linears()` is a context in which every `nn.Linear` of a
 model — its own, peft's base layers, the output head — runs on the training products' kernel,
 with a backward whose three products (input, weight and bias gradients) run on it too, and
 peft's LoRA layers fused around them. All fall back to `F.linear` off CPUs, for other dtypes,
@@ -93,10 +94,13 @@ def kernels() -> dict[str, str]:
         return {"training": "MKL (this torch has no oneDNN)", "decode": "MKL"}
     training = ("oneDNN" if training_on_onednn()
                 else "MKL (an Intel CPU: MKL runs its own AVX-512 code)")
-    below = "MKL on column-major weights below" if decode_column_major() else "MKL below"
-    decode = ("oneDNN (full-width AVX-512)" if decode_on_onednn() else
-              f"oneDNN from {DECODE_PACK_MIN_IN} inputs and 2^{DECODE_PACK_MIN.bit_length() - 1} "
-              f"weights, {below}")
+    if decode_on_mkl():
+        decode = "MKL on packed weights"
+    elif decode_on_onednn():
+        decode = "oneDNN (full-width AVX-512)"
+    else:
+        decode = (f"oneDNN from {DECODE_PACK_MIN_IN} inputs and "
+                  f"2^{DECODE_PACK_MIN.bit_length() - 1} weights, MKL below")
     return {"training": training, "decode": decode}
 
 
@@ -193,43 +197,83 @@ def decode_on_onednn() -> bool:
     return available() and wide_avx512()
 
 
-def decode_weight(w: Tensor) -> Tensor:
-    """w [out, in] as `decode_linear` takes it: `pack`ed where oneDNN computes its decode
-    products (every weight on `decode_on_onednn` CPUs, else the large ones: see the module
-    docstring); the rest `column_major` where MKL computes them on `decode_column_major` CPUs,
-    else w itself."""
-    large = w.dim() == 2 and w.shape[1] >= DECODE_PACK_MIN_IN and w.numel() >= DECODE_PACK_MIN
-    if decode_on_onednn() or large:
+def decode_weight(w: Tensor) -> Tensor | MKLPacked:
+    """w [out, in] as `decode_linear` takes it: `MKLPacked` where MKL computes the decode
+    products (`decode_on_mkl`: Intel CPUs); else `pack`ed for oneDNN where oneDNN computes them
+    (every weight on `decode_on_onednn` CPUs, elsewhere the large ones: see the module
+    docstring); else w itself. w itself also off CPUs and for other dtypes."""
+    if w.dim() != 2 or w.device.type != "cpu" or w.dtype != torch.float32:
+        return w
+    if decode_on_mkl():
+        return MKLPacked(w)
+    if decode_on_onednn() or (w.shape[1] >= DECODE_PACK_MIN_IN and w.numel() >= DECODE_PACK_MIN):
         return pack(w)
-    return column_major(w) if decode_column_major() else w
+    return w
 
 
 @functools.cache
-def decode_column_major() -> bool:
-    """Whether the decode loop's MKL products take column-major weights here: on CPUs where
-    MKL runs its own code (`mkl_native`), whose product with a plain right operand is the faster
-    one at decode rows (see the module docstring)."""
-    return torch.backends.mkl.is_available() and mkl_native()
+def decode_on_mkl() -> bool:
+    """Whether the decode loop's products run on MKL's packed product (`MKLPacked`) here: on
+    CPUs where MKL runs its own code (`mkl_native`), where this build has that product."""
+    return mkl_native() and mkl_packing()
 
 
-def column_major(w: Tensor) -> Tensor:
-    """A copy of w [out, in] stored column-major (the transposed view of a contiguous
-    [in, out] tensor): `F.linear(x, column_major(w))` computes x @ [in, out] with no transpose
-    for MKL to apply. w itself off CPUs and for other than 2 dimensions."""
-    if w.dim() != 2 or w.device.type != "cpu":
-        return w
-    return w.detach().t().contiguous().t()
+@functools.cache
+def mkl_packing() -> bool:
+    """Whether this build has MKL's packed-weight product, and it agrees with F.linear."""
+    try:
+        x = torch.linspace(-1, 1, 24).reshape(3, 8)  # fixed values: see `available`
+        w, b = torch.linspace(-2, 2, 40).reshape(5, 8), torch.linspace(0, 1, 5)
+        return bool(torch.allclose(mkl_packed_linear(x, MKLPacked(w), b), F.linear(x, w, b),
+                                   atol=1e-5))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
-def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """`F.linear(x, w, b)` in the decode loop (w plain or a `decode_weight`): on oneDNN for a
-    packed w, and for any w where `decode_on_onednn`; else on the BLAS."""
+# the rows MKL is told to expect when it packs a weight (a decode step's: prompts x K); the
+# product itself takes any number (the packed layout does not depend on it, and the vs_trl
+# models decoded no faster packed for 1, 64 or 256 rows)
+MKL_PACK_ROWS = 16
+
+
+class MKLPacked:
+    """A weight w [out, in] stored in MKL's own packed layout (`cblas_sgemm_pack`), for many
+    products x w^T (`mkl_packed_linear`). MKL's sgemm otherwise copies w into that layout at
+    every call; at a decode step's rows the copy costs about as much as the product (Xeon, 16
+    rows: the vs_trl 8 M-parameter model's products ~25 % faster). A copy: pack again after
+    w changes."""
+
+    __slots__ = ("data", "shape_of")
+
+    def __init__(self, w: Tensor) -> None:
+        self.data = torch.ops.mkl._mkl_reorder_linear_weight(w.detach().contiguous(),
+                                                              MKL_PACK_ROWS)
+        # the op reads only the shape of the weight it was given (its values only where the
+        # rows differ from those it is told, which `mkl_packed_linear` never lets happen)
+        self.shape_of = w.detach().new_empty(()).expand(w.shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.shape_of.shape
+
+
+def mkl_packed_linear(x: Tensor, w: MKLPacked, b: Tensor | None = None) -> Tensor:
+    """`F.linear(x, w, b)` for an `MKLPacked` w (x [..., in], any number of rows)."""
+    return torch.ops.mkl._mkl_linear(x, w.data, w.shape_of, b, x.numel() // x.shape[-1])
+
+
+def decode_linear(x: Tensor, w: Tensor | MKLPacked, b: Tensor | None = None) -> Tensor:
+    """`F.linear(x, w, b)` in the decode loop (w plain or a `decode_weight`): on MKL's packed
+    product for an `MKLPacked` w, on oneDNN for a `pack`ed one and for any w where
+    `decode_on_onednn`; else on the BLAS."""
     return decode_kernel(w)(x, w, b)
 
 
-def decode_kernel(w: Tensor) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+def decode_kernel(w: Tensor | MKLPacked) -> Callable[..., Tensor]:
     """The function `decode_linear` computes with for weights like `w`, to look up once per
     weight rather than per call (a decode step of a small model is mostly call overhead)."""
+    if isinstance(w, MKLPacked):
+        return mkl_packed_linear
     if w.is_mkldnn:
         return _onednn_op
     return _onednn_linear if decode_on_onednn() else F.linear

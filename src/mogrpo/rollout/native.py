@@ -10,8 +10,8 @@ batch, so the cost follows the live rows.
 
 The projections run on plain weights built once per call (`plain_projections`): q/k/v in one
 matrix, gate/up in one, LoRA adapters merged in, and laid out for the CPU's faster float32
-kernel (`mogrpo.algo.cpu_linear.decode_weight`: packed for oneDNN, or column-major for MKL on
-Intel CPUs), so a layer costs four matmuls and no module calls. Layers that cannot be made
+kernel (`mogrpo.algo.cpu_linear.decode_weight`: packed for MKL on Intel CPUs, for oneDNN
+elsewhere), so a layer costs four matmuls and no module calls. Layers that cannot be made
 plain (quantised, DoRA) run their own modules. On CPUs the one-query attention of a decode step
 is three small operations instead of SDPA's padded flash kernel.
 
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import (
+    MKLPacked,
     decode_kernel,
     decode_linear,
     decode_weight,
@@ -135,7 +136,7 @@ class Projections:
     (~16 ms a call at 8 M parameters)."""
 
     layers: list[_Plain] | None
-    head: Tensor | None = None  # the output head's weight as `_head_weight` gives it
+    head: Tensor | MKLPacked | None = None  # the output head's weight (`_head_weight`)
 
 
 def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projections:
@@ -149,7 +150,7 @@ def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projec
                        _head_weight(lm.get_output_embeddings()))
 
 
-def _head_weight(head: nn.Module) -> Tensor | None:
+def _head_weight(head: nn.Module) -> Tensor | MKLPacked | None:
     """The weight of an `nn.Linear` output head as `decode_weight` lays it out, where that copy
     takes at most HEAD_COPY_MAX_BYTES (a large vocabulary's head is read in place: its product
     is throughput-bound however it is laid out); None for other heads (their module runs)."""
