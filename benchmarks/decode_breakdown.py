@@ -54,7 +54,7 @@ def _stubbed_layers(original):
     buffers: dict[tuple[int, int], torch.Tensor] = {}
 
     def zeros(x, w, b=None):
-        key = (x.shape[0], w.size(0))
+        key = (x.shape[0], w.shape[0])
         if key not in buffers:
             buffers[key] = torch.zeros(key)
         return buffers[key]
