@@ -96,6 +96,49 @@ def test_kept_memory_takes_large_blocks_from_the_heap_and_keeps_them():
     assert mapped == 0 and heap >= 64  # from the heap; the freed 64 MiB stay
 
 
+# Under the kept settings, `malloc.mapped` maps a 2 MiB block of its own (the heap serves the
+# same block outside it), and so does an MKL packed weight's buffer, most of whose pages are
+# never written.
+_MAPPED = _MALLINFO + """
+import torch
+from mogrpo.algo import cpu_linear
+from mogrpo.algo.malloc import mapped
+available = cpu_linear.mkl_packing()  # (its check packs a weight: done before counting)
+before = libc.mallinfo2().hblks
+with mapped():
+    block = libc.malloc(2 * 2**20)
+    inside = libc.mallinfo2().hblks - before
+libc.free(block)
+before = libc.mallinfo2().hblks
+block = libc.malloc(2 * 2**20)
+outside = libc.mallinfo2().hblks - before
+libc.free(block)
+w = torch.randn(64, 64)
+before = libc.mallinfo2().hblks
+packed = cpu_linear.MKLPacked(w) if available else None
+print(inside, outside, libc.mallinfo2().hblks - before, int(available))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_blocks_mostly_never_written_are_mapped_on_their_own():
+    inside, outside, packed, available = _run(_MAPPED, "keep")
+    assert (inside, outside) == (1, 0)  # and the threshold is back to the kept one after
+    if available:
+        assert packed == 1
+
+
+def test_mapped_changes_nothing_where_the_threshold_was_not_raised(monkeypatch):
+    from mogrpo.algo import malloc
+
+    called = []
+    monkeypatch.setattr(malloc, "_raised", None)
+    monkeypatch.setattr(malloc.ctypes, "CDLL", lambda *a: called.append(a))
+    with malloc.mapped():
+        pass
+    assert called == []
+
+
 # Small blocks freed among larger ones: with fastbins on, glibc leaves them unmerged in its
 # fastbins (mallinfo2's fsmblks: their bytes) until a large request walks them all.
 _SMALL = _MALLINFO + """

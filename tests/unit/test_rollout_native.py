@@ -350,8 +350,9 @@ def test_completions_feed_a_training_backward(tok):
 
 def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
     """With each head's rows interleaved, one complex product per pair is the rotation of
-    rotate_half; the decoder reorders q and k alike, so attention scores do not change."""
-    from mogrpo.rollout.native import _Attention, _halves, _interleaved, _rotate_pairs, _turn
+    rotate_half; the decoder reorders q and k alike, so attention scores do not change.
+    `_fuse` reorders the rows of the q, k and v projections as it joins them."""
+    from mogrpo.rollout.native import _Attention, _fuse, _halves, _pair_rows, _rotate_pairs, _turn
 
     torch.manual_seed(0)
     heads, kv_heads, D = 4, 2, 8
@@ -366,7 +367,11 @@ def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
     half_cos, half_sin = _halves(cos, sin)
     want = _turn(plain[..., :(heads + kv_heads) * D], heads + kv_heads,
                  half_cos[:, :, None], half_sin[:, :, None])  # [3, 5, H + H_kv, D]
-    w2, b2 = _interleaved((weight, bias), attention)
+    q_end, k_end = heads * D, (heads + kv_heads) * D
+    parts = [(weight[a:b], bias[a:b]) for a, b in ((0, q_end), (q_end, k_end), (k_end, rows))]
+    w2, b2 = _fuse(parts, _pair_rows(attention, rows, weight.device))
+    order = _pair_rows(attention, rows, weight.device)
+    assert torch.equal(w2, weight[order]) and torch.equal(b2, bias[order])
     pairs = torch.nn.functional.linear(h, w2, b2)
     got = _rotate_pairs(pairs[..., :(heads + kv_heads) * D], heads + kv_heads,
                         torch.complex(angles.cos(), angles.sin())[:, :, None])

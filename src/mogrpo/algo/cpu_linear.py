@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mogrpo.algo.malloc import mapped
+
 
 @functools.cache
 def available() -> bool:
@@ -247,8 +249,9 @@ class MKLPacked:
     __slots__ = ("data", "shape_of")
 
     def __init__(self, w: Tensor) -> None:
-        self.data = torch.ops.mkl._mkl_reorder_linear_weight(w.detach().contiguous(),
-                                                              MKL_PACK_ROWS)
+        with mapped():  # most of its pages are never written: see `mogrpo.algo.malloc`
+            self.data = torch.ops.mkl._mkl_reorder_linear_weight(w.detach().contiguous(),
+                                                                  MKL_PACK_ROWS)
         # the op reads only the shape of the weight it was given (its values only where the
         # rows differ from those it is told, which `mkl_packed_linear` never lets happen)
         self.shape_of = w.detach().new_empty(()).expand(w.shape)

@@ -491,24 +491,22 @@ def _turn(x: Tensor, heads: int, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rotate_pairs(x: Tensor, heads: int, turns: Tensor) -> Tensor:
     """x [..., heads * D] whose heads' rows are interleaved (x1_0, x2_0, x1_1, x2_1, ...: see
-    `_interleaved`) turned by complex factors `turns` [..., 1, D/2] = cos + i sin: one complex
+    `_pair_rows`) turned by complex factors `turns` [..., 1, D/2] = cos + i sin: one complex
     product per pair computes rotate_half's (x1 c - x2 s, x2 c + x1 s). [..., heads, D]."""
     pairs = torch.view_as_complex(x.unflatten(-1, (heads, -1, 2)))
     return torch.view_as_real(pairs * turns).flatten(-2)
 
 
-def _interleaved(qkv: Linear, attention: _Attention) -> Linear:
-    """The fused q/k/v projection with each q and k head's rows reordered (0, D/2, 1, D/2 + 1,
-    ...), so each rotary pair of `_rotate_pairs` sits side by side; v stays as it is. Keys and
-    queries are reordered alike, so their products, and the attention, are unchanged."""
-    weight, bias = qkv
+def _pair_rows(attention: _Attention, rows: int, device: torch.device) -> Tensor:
+    """An order of the fused q/k/v projection's `rows` that reorders each q and k head's rows
+    (0, D/2, 1, D/2 + 1, ...), so each rotary pair of `_rotate_pairs` sits side by side; v
+    stays as it is. Keys and queries are reordered alike, so their products, and the attention,
+    are unchanged."""
     D = attention.head_dim
-    head = torch.arange(D, device=weight.device).view(2, D // 2).t().reshape(-1)
+    head = torch.arange(D, device=device).view(2, D // 2).t().reshape(-1)
     qk_heads = attention.heads + attention.kv_heads
-    rows = torch.cat([(torch.arange(qk_heads, device=weight.device)[:, None] * D
-                       + head).reshape(-1),
-                      torch.arange(qk_heads * D, weight.shape[0], device=weight.device)])
-    return weight[rows], bias[rows] if bias is not None else None
+    return torch.cat([(torch.arange(qk_heads, device=device)[:, None] * D + head).reshape(-1),
+                      torch.arange(qk_heads * D, rows, device=device)])
 
 
 def _rms_norm_of(module: nn.Module) -> Norm | None:
@@ -590,16 +588,28 @@ def _plain_linear(module: nn.Module) -> Linear | None:
         return None
 
 
-def _fuse(parts: list[Linear | None]) -> Linear | None:
-    """One (weight, bias) computing every part's output side by side."""
+def _fuse(parts: list[Linear | None], order: Tensor | None = None) -> Linear | None:
+    """One (weight, bias) computing every part's output side by side, its rows in `order`
+    where given (an order that keeps each part's rows among its own, as `_pair_rows` does:
+    applied in the same copy, which for a large model is most of the cost of fusing)."""
     if any(p is None for p in parts):
         return None
-    if len(parts) == 1:
+    if len(parts) == 1 and order is None:
         return parts[0]
-    weight = torch.cat([w for w, _ in parts])
+    weights = [w.detach() for w, _ in parts]  # (a copy: nothing to differentiate)
+    weight = weights[0].new_empty(sum(len(w) for w in weights), weights[0].shape[1])
+    start = 0
+    for w in weights:
+        end = start + len(w)
+        if order is None:
+            weight[start:end].copy_(w)
+        else:
+            torch.index_select(w, 0, order[start:end] - start, out=weight[start:end])
+        start = end
     if all(b is None for _, b in parts):
         return weight, None
-    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+    bias = torch.cat([b if b is not None else w.new_zeros(len(w)) for w, b in parts])
+    return weight, bias if order is None else bias[order]
 
 
 def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Callable] | None:
@@ -620,7 +630,7 @@ def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = 
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
     copies (at most the layers' linear weights) would exceed `max_bytes` (None:
     PLAIN_MAX_BYTES). Built once per rollout (the weights change at every optimizer step).
-    With `pairs` (each layer's attention shapes) the q and k rows are `_interleaved`."""
+    With `pairs` (each layer's attention shapes) the q and k rows are in `_pair_rows` order."""
     copied = 0
     for layer in layers:
         for module in layer.modules():
@@ -635,13 +645,16 @@ def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = 
         if parts is None:
             return None
         names, up, act = parts
-        qkv = _fuse([_plain_linear(getattr(attn, n)) for n in names])
+        qkv_parts = [_plain_linear(getattr(attn, n)) for n in names]
+        order = None
+        if pairs is not None and all(p is not None for p in qkv_parts):
+            order = _pair_rows(pairs[len(plain)], sum(len(p[0]) for p in qkv_parts),
+                               qkv_parts[0][0].device)
+        qkv = _fuse(qkv_parts, order)
         gate_up = _fuse([_plain_linear(getattr(mlp, n)) for n in up])
         out, down = _plain_linear(attn.o_proj), _plain_linear(mlp.down_proj)
         if qkv is None or gate_up is None or out is None or down is None:
             return None
-        if pairs is not None:
-            qkv = _interleaved(qkv, pairs[len(plain)])
         packed = [(decode_weight(w), b) for w, b in (qkv, out, gate_up, down)]
         first, second = (_rms_norm_of(layer.input_layernorm),
                          _rms_norm_of(layer.post_attention_layernorm))

@@ -11,7 +11,9 @@ add tensors of the largest shape).
 
 `keep_freed_memory` fixes both thresholds with `mallopt`: blocks below MMAP_THRESHOLD come
 from the heap and up to TRIM_THRESHOLD of free heap top stays with the process. The peak is
-the same (every step reaches it again); the memory goes back when the process ends.
+the same (every step reaches it again); the memory goes back when the process ends. Blocks
+whose pages are mostly never written (MKL's packed decode weights) are still mapped on their
+own: see `mogrpo.algo.malloc`.
 
 It also turns glibc's fastbins off (M_MXFAST 0; its per-thread cache still serves the
 smallest blocks). A freed block of up to 128 bytes waits in a fastbin unmerged, and the next
@@ -29,6 +31,8 @@ import ctypes
 import logging
 import os
 import sys
+
+from mogrpo.algo import malloc
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ def keep_freed_memory() -> str | None:
     if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or \
             mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1 or mallopt(_M_MXFAST, 0) != 1:
         return "mallopt refused the settings"
+    malloc.note_raised(MMAP_THRESHOLD)  # for the blocks that must be mapped (`malloc.mapped`)
     return None
 
 
