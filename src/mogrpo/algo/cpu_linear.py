@@ -242,9 +242,11 @@ MKL_PACK_ROWS = 256
 class MKLPacked:
     """A weight w [out, in] stored in MKL's own packed layout (`cblas_sgemm_pack`), for many
     products x w^T (`mkl_packed_linear`). MKL's sgemm otherwise copies w into that layout at
-    every call; at a decode step's rows the copy costs about as much as the product (Xeon, 16
-    rows: the vs_trl 8 M-parameter model's products ~25 % faster). A copy: pack again after
-    w changes."""
+    every call; packed once, a decode step's product reads it in the order its kernel takes
+    it (Xeon, 16 rows, weights streamed from memory: the vs_trl 8 M-parameter model's
+    products ~25 % faster; weights in cache gain nothing). A copy: pack again after w changes. MKL sizes its buffer ~7.6 MB above the data it writes; where this process keeps
+    freed heap memory, the buffer is mapped on its own (`mogrpo.algo.malloc.mapped`), so the
+    unwritten pages never become resident."""
 
     __slots__ = ("data", "shape_of")
 
