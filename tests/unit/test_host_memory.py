@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from mogrpo.algo import malloc
 from mogrpo.train import host_memory
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
@@ -129,8 +130,6 @@ def test_blocks_mostly_never_written_are_mapped_on_their_own():
 
 
 def test_mapped_changes_nothing_where_the_threshold_was_not_raised(monkeypatch):
-    from mogrpo.algo import malloc
-
     called = []
     monkeypatch.setattr(malloc, "_raised", None)
     monkeypatch.setattr(malloc.ctypes, "CDLL", lambda *a: called.append(a))
@@ -158,7 +157,7 @@ def test_kept_memory_leaves_no_small_blocks_waiting_in_fastbins():
 
 def test_environment_settings_win(monkeypatch):
     called = []
-    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda *a: called.append(a))
+    monkeypatch.setattr(malloc.ctypes, "CDLL", lambda *a: called.append(a))
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     expected = "malloc settings given in the environment" if sys.platform.startswith("linux") \
         else "not Linux"

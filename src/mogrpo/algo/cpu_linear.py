@@ -25,11 +25,12 @@ packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on)
 from those sizes on; the rest run on MKL. On Intel CPUs (`decode_on_mkl`) every decode weight is
 packed for MKL's own packed product instead (`MKLPacked`, `cblas_sgemm_pack`). MKL's sgemm
 copies its weight operand into that layout at every call; a packed weight is read once per
-product, in the order the kernel consumes it. Weights held in cache gain nothing (the vs_trl
-0.7 M-parameter model's rollout is unchanged); weights streamed from memory do (8 M parameters
-1.13x, 32 M 1.08x faster than the former rule of oneDNN for the large weights and column-major
-MKL for the rest). At training rows (hundreds) the copy is a small share and the weights change
-at every step, so the training products stay on the plain kernels.
+product, in the order the kernel consumes it. Xeon, the vs_trl models' native rollout against
+the other CPUs' rule (oneDNN-packed from those sizes, plain below; `benchmarks/cpu_choices.py`):
+1.10x at 0.7 M parameters, 1.20x at 8 M, 1.07x at 32 M; against the column-major layout it
+replaced, the 0.7 M rollout (weights in cache) is unchanged. At training rows (hundreds) the
+copy is a small share and the weights change at every step, so the training products stay on
+the plain kernels.
 
 The rule is fixed per CPU model and shape rather than timed at start: a timed choice could
 differ between two runs of the same seed on the same machine, and the kernels differ in float
@@ -244,9 +245,11 @@ class MKLPacked:
     products x w^T (`mkl_packed_linear`). MKL's sgemm otherwise copies w into that layout at
     every call; packed once, a decode step's product reads it in the order its kernel takes
     it (Xeon, 16 rows, weights streamed from memory: the vs_trl 8 M-parameter model's
-    products ~25 % faster; weights in cache gain nothing). A copy: pack again after w changes. MKL sizes its buffer ~7.6 MB above the data it writes; where this process keeps
-    freed heap memory, the buffer is mapped on its own (`mogrpo.algo.malloc.mapped`), so the
-    unwritten pages never become resident."""
+    products ~25 % faster; weights in cache gain nothing). A copy: pack again after w changes.
+
+    MKL sizes its buffer ~7.6 MB above the data it writes; where this process keeps freed heap
+    memory, the buffer is mapped on its own (`mogrpo.algo.malloc.mapped`), so the unwritten
+    pages never become resident."""
 
     __slots__ = ("data", "shape_of")
 

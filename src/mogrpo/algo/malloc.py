@@ -7,21 +7,28 @@ freed. That is what a training step wants of its activations, but not of a block
 pages are never written: MKL's packed weights (`cpu_linear.MKLPacked`) are allocated ~7.6 MB
 larger than the data they hold. From the heap, the space they leave is later reused by other
 tensors and becomes resident; the vs_trl 32 M-parameter model's peak RSS rose by ~140 MiB
-(1472 -> 1613 MiB). From mappings of their own, untouched pages stay out of memory and the
-whole block goes back to the system when freed: peak 1504 MiB, and the rollout as fast
-(alternated in one process, 1.01-1.04x).
+(1472 -> 1613 MiB, above TRL's 1528). From mappings of their own, untouched pages stay out of
+memory and the whole block goes back to the system when freed: peak 1456-1498 MiB, and the
+rollout as fast (alternated in one process, 1.01-1.04x).
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+M_MXFAST, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = 1, -1, -3  # mallopt's parameters (malloc.h)
 
 _raised: int | None = None  # the threshold `host_memory` set in this process (None: glibc's)
+
+
+def mallopt() -> Callable[[int, int], int]:
+    """glibc's `mallopt(param, value)` (1 when it took the setting); Linux with glibc only."""
+    function = ctypes.CDLL(None).mallopt
+    function.argtypes, function.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return function
 
 
 def note_raised(threshold: int) -> None:
@@ -38,10 +45,9 @@ def mapped(min_bytes: int = 2**20) -> Iterator[None]:
     if _raised is None or not sys.platform.startswith("linux"):
         yield
         return
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(M_MMAP_THRESHOLD, min_bytes)
+    set_option = mallopt()
+    set_option(M_MMAP_THRESHOLD, min_bytes)
     try:
         yield
     finally:
-        mallopt(M_MMAP_THRESHOLD, _raised)
+        set_option(M_MMAP_THRESHOLD, _raised)

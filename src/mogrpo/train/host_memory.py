@@ -27,7 +27,6 @@ win.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -38,7 +37,6 @@ log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 32 * 2**20  # glibc's own ceiling for its dynamic threshold
 TRIM_THRESHOLD = 512 * 2**20
-_M_MXFAST, _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = 1, -1, -3  # mallopt parameters (malloc.h)
 _ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                 "MALLOC_MMAP_MAX_")
 
@@ -56,10 +54,10 @@ def keep_freed_memory() -> str | None:
         libc = ""
     if not libc.startswith("glibc"):
         return "not glibc"
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or \
-            mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1 or mallopt(_M_MXFAST, 0) != 1:
+    mallopt = malloc.mallopt()
+    if mallopt(malloc.M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or \
+            mallopt(malloc.M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1 or \
+            mallopt(malloc.M_MXFAST, 0) != 1:
         return "mallopt refused the settings"
     malloc.note_raised(MMAP_THRESHOLD)  # for the blocks that must be mapped (`malloc.mapped`)
     return None
