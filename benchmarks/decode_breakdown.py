@@ -50,7 +50,8 @@ def _counted(totals: dict[str, float], label: str, fn):
 
 def _stubbed_layers(original):
     """`NativeDecoder._step_layers` with every projection's kernel returning zeros of its
-    output shape (one buffer per shape, so the stub allocates nothing per call)."""
+    output shape (one buffer per shape, so the stub allocates nothing per call), and the two
+    that add into the residual stream returning it as it is."""
     buffers: dict[tuple[int, int], torch.Tensor] = {}
 
     def zeros(x, w, b=None):
@@ -59,9 +60,13 @@ def _stubbed_layers(original):
             buffers[key] = torch.zeros(key)
         return buffers[key]
 
+    def unchanged(acc, x, w, b=None):
+        return acc
+
     def layers(self):
-        return [(*layer[:2], *((zeros, *p[1:]) for p in layer[2:6]), *layer[6:])
-                for layer in original(self)]
+        return [(*layer[:2], *((stub, *p[1:]) for stub, p in
+                               zip((zeros, unchanged, zeros, unchanged), layer[2:6], strict=True)),
+                 *layer[6:]) for layer in original(self)]
     return layers
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from mogrpo.algo import cpu_linear
+from mogrpo.algo import cpu_linear, mkl_packed
 from mogrpo.algo.cpu_linear import (
     cpu_linears,
     decode_linear,
@@ -231,8 +231,8 @@ def test_cpu_name_tells_the_family_a_bare_model_name_hides():
     assert cpu_linear.cpu_name("") == "unknown CPU"
 
 
-needs_mkl_packing = pytest.mark.skipif(not cpu_linear.mkl_packing(),
-                                       reason="this torch has no MKL packed product")
+needs_mkl_packing = pytest.mark.skipif(not mkl_packed.works(),
+                                       reason="this torch exports no MKL packed product")
 
 
 @pytest.fixture
@@ -241,8 +241,8 @@ def decode_rule(monkeypatch):
     "intel" (MKL's own code: every weight packed for MKL) or "amd" (MKL's AVX2 code: large
     weights packed for oneDNN, the rest as they are)."""
     def use(rule: str) -> None:
-        if rule == "intel" and not cpu_linear.mkl_packing():
-            pytest.skip("this torch has no MKL packed product")
+        if rule == "intel" and not mkl_packed.works():
+            pytest.skip("this torch exports no MKL packed product")
         monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: rule == "wide")
         monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: rule == "intel")
     return use
@@ -263,8 +263,9 @@ def test_on_intel_cpus_every_decode_weight_is_packed_for_mkl(decode_rule):
     decode_rule("intel")
     for shape in [(512, 256), (256, 256), (1280, 128), (5, 3)]:
         packed = decode_weight(torch.randn(shape))
-        assert isinstance(packed, cpu_linear.MKLPacked) and packed.shape == shape
-        assert cpu_linear.decode_kernel(packed) is cpu_linear.mkl_packed_linear
+        assert isinstance(packed, mkl_packed.Packed) and packed.shape == shape
+        assert cpu_linear.decode_kernel(packed) is mkl_packed.linear
+        assert cpu_linear.decode_add_kernel(packed) is mkl_packed.linear_add
     # what the packed product cannot take stays as it is, whatever the CPU
     for w in (torch.randn(8), torch.randn(2, 3, 4), torch.randn(4, 3, dtype=torch.float64)):
         assert decode_weight(w) is w
@@ -278,11 +279,10 @@ def test_mkl_packed_products_equal_f_linear_at_any_rows(bias):
     torch.manual_seed(0)
     w = torch.randn(96, 48, requires_grad=True)
     b = torch.randn(96) if bias else None
-    packed = cpu_linear.MKLPacked(w)
-    assert packed.shape_of.untyped_storage().nbytes() <= 4  # no second copy of w
-    for rows in [1, 3, 15, cpu_linear.MKL_PACK_ROWS, 17, 48, 300]:
+    packed = mkl_packed.Packed(w)
+    for rows in [1, 3, 15, mkl_packed.PACK_ROWS, 17, 48, 300]:
         x = torch.randn(rows, 48)
-        torch.testing.assert_close(cpu_linear.mkl_packed_linear(x, packed, b),
+        torch.testing.assert_close(mkl_packed.linear(x, packed, b),
                                    F.linear(x, w.detach(), b), atol=1e-5, rtol=1e-5)
     x = torch.randn(4, 12, 96)[..., ::2]  # [4, 12, 48], not contiguous
     out = decode_linear(x, packed, b)
@@ -300,7 +300,7 @@ def test_decode_products_follow_the_cpu_rule(monkeypatch, decode_rule, rule):
     x, w, b = torch.randn(16, 48), torch.randn(96, 48), torch.randn(96)
     weight = decode_weight(w)
     # small: packed for oneDNN only where every product is oneDNN's; for MKL on Intel CPUs
-    assert isinstance(weight, cpu_linear.MKLPacked) == (rule == "intel")
+    assert isinstance(weight, mkl_packed.Packed) == (rule == "intel")
     assert rule == "intel" or weight.is_mkldnn == on_onednn
     calls = []
     original = torch.ops.mkldnn._linear_pointwise

@@ -97,14 +97,15 @@ def test_kept_memory_takes_large_blocks_from_the_heap_and_keeps_them():
     assert mapped == 0 and heap >= 64  # from the heap; the freed 64 MiB stay
 
 
-# Under the kept settings, `malloc.mapped` maps a 2 MiB block of its own (the heap serves the
-# same block outside it), and so does an MKL packed weight's buffer, most of whose pages are
-# never written.
+# Under the kept settings, `malloc.mapped` maps a 2 MiB block of its own where the heap would
+# have to grow for it (outside, the heap serves it), and takes it from free heap memory where it
+# fits. An MKL packed weight's buffer for one rollout, most of whose pages are never written, is
+# such a block; a kept one is a mapping malloc does not see.
 _MAPPED = _MALLINFO + """
 import torch
-from mogrpo.algo import cpu_linear
+from mogrpo.algo import mkl_packed
 from mogrpo.algo.malloc import mapped
-available = cpu_linear.mkl_packing()  # (its check packs a weight: done before counting)
+available = mkl_packed.works()  # (its check packs a weight: done before counting)
 before = libc.mallinfo2().hblks
 with mapped():
     block = libc.malloc(2 * 2**20)
@@ -116,17 +117,28 @@ outside = libc.mallinfo2().hblks - before
 libc.free(block)
 w = torch.randn(64, 64)
 before = libc.mallinfo2().hblks
-packed = cpu_linear.MKLPacked(w) if available else None
-print(inside, outside, libc.mallinfo2().hblks - before, int(available))
+packed = mkl_packed.Packed(w) if available else None
+once = libc.mallinfo2().hblks - before
+kept = mkl_packed.Packed(w, keep=True) if available else None
+both = libc.mallinfo2().hblks - before
+large = libc.malloc(16 * 2**20)  # from the heap, then left free in it
+libc.free(large)
+before = libc.mallinfo2().hblks
+with mapped():
+    block = libc.malloc(2 * 2**20)
+    reused = libc.mallinfo2().hblks - before
+libc.free(block)
+print(inside, outside, reused, once, both, int(available))
 """
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_blocks_mostly_never_written_are_mapped_on_their_own():
-    inside, outside, packed, available = _run(_MAPPED, "keep")
+def test_blocks_mostly_never_written_do_not_grow_the_heap():
+    inside, outside, reused, once, both, available = _run(_MAPPED, "keep")
     assert (inside, outside) == (1, 0)  # and the threshold is back to the kept one after
+    assert reused == 0  # where free heap memory fits, it serves the block: no fresh pages
     if available:
-        assert packed == 1
+        assert (once, both) == (1, 1)
 
 
 def test_mapped_changes_nothing_where_the_threshold_was_not_raised(monkeypatch):

@@ -70,12 +70,12 @@ def decode_kernel(request, monkeypatch):
     """Each kernel the decode loop's products may run on (which one depends on the CPU: see
     `cpu_linear.decode_on_onednn` and `decode_on_mkl`), whatever this machine's CPU: the BLAS
     on weights as they are, MKL on packed weights, or oneDNN."""
-    from mogrpo.algo import cpu_linear
+    from mogrpo.algo import cpu_linear, mkl_packed
 
     if request.param == "onednn" and not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")
-    if request.param == "mkl-packed" and not cpu_linear.mkl_packing():
-        pytest.skip("this torch has no MKL packed product")
+    if request.param == "mkl-packed" and not mkl_packed.works():
+        pytest.skip("this torch exports no MKL packed product")
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
     monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: request.param == "mkl-packed")
     return request.param
@@ -83,11 +83,11 @@ def decode_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kernel):
-    from mogrpo.algo.cpu_linear import MKLPacked
+    from mogrpo.algo.mkl_packed import Packed
 
     model = family_model(family, tok)
     qkv = NativeDecoder(model).plain[0].qkv[0]
-    assert isinstance(qkv, MKLPacked) == (decode_kernel == "mkl-packed")
+    assert isinstance(qkv, Packed) == (decode_kernel == "mkl-packed")
     assert decode_kernel == "mkl-packed" or qkv.is_mkldnn == (decode_kernel == "onednn")
     hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
     # A token the greedy rows emit mid-way becomes a stop id: rows then finish at different
@@ -105,17 +105,17 @@ def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kern
 
 
 def test_the_output_head_is_laid_out_for_the_decode_kernel_up_to_a_size(tok, monkeypatch):
-    from mogrpo.algo import cpu_linear
+    from mogrpo.algo import cpu_linear, mkl_packed
     from mogrpo.rollout import native
 
-    if not cpu_linear.mkl_packing():
-        pytest.skip("this torch has no MKL packed product")
+    if not mkl_packed.works():
+        pytest.skip("this torch exports no MKL packed product")
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
     monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
     model = family_model("qwen2", tok)
     head = model.get_output_embeddings().weight
     packed = NativeDecoder(model).head_weight  # a small head: packed for MKL
-    assert isinstance(packed, cpu_linear.MKLPacked) and packed.shape == head.shape
+    assert isinstance(packed, mkl_packed.Packed) and packed.shape == head.shape
     x = torch.randn(3, head.shape[1])
     torch.testing.assert_close(cpu_linear.decode_linear(x, packed), x @ head.detach().t(),
                                atol=1e-5, rtol=1e-5)
@@ -209,6 +209,48 @@ def test_weight_copies_follow_the_callers_budget(tok):
     runs = [generate_rollout(model, tok, PROMPTS, settings, num_generations=2,
                              max_prompt_length=32, plain_max_bytes=b) for b in (None, 1)]
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+
+
+def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypatch):
+    """On Intel CPUs the packed weights of a model with at most KEEP_MAX_BYTES of decode
+    weights are packed into the buffers of the rollout before (no page faulted in anew);
+    a larger model's are mapped for the rollout and unmapped after it."""
+    import gc
+
+    from mogrpo.algo import cpu_linear, mkl_packed
+    from mogrpo.rollout import native
+
+    if not mkl_packed.works():
+        pytest.skip("this torch exports no MKL packed product")
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
+    model = family_model("qwen2", tok)
+    mkl_packed.POOL.clear()
+
+    def addresses() -> list[int]:
+        projections = native.decode_projections(model)
+        return [w.address for layer in projections.layers
+                for w, _ in (layer.qkv, layer.out, layer.gate_up, layer.down)] + \
+            [projections.head.address]
+
+    first = addresses()
+    gc.collect()
+    assert mkl_packed.POOL.kept_bytes() > 0
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(1.0)  # an optimizer step, say
+    assert sorted(addresses()) == sorted(first)  # the same buffers, packed anew
+    gc.collect()
+    decoded = native.NativeDecoder(model)  # packed from the changed weights
+    x = torch.randn(3, model.config.intermediate_size)
+    torch.testing.assert_close(
+        cpu_linear.decode_linear(x, decoded.plain[0].down[0]),
+        x @ model.model.layers[0].mlp.down_proj.weight.detach().t(), atol=1e-4, rtol=1e-5)
+    del decoded
+    mkl_packed.POOL.clear()
+    monkeypatch.setattr(native, "KEEP_MAX_BYTES", 0)
+    addresses()
+    gc.collect()
+    assert mkl_packed.POOL.kept_bytes() == 0
 
 
 FLAG_SETS = [

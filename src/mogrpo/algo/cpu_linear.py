@@ -23,7 +23,7 @@ model 17 ms instead of 30) and slower below (640 x 128 0.90x, 128 x 384 0.75x, 1
 0.44x; 128 x 1280, 1.11x alone, costs time inside a decode step). Decode weights are therefore
 packed for oneDNN where AVX-512 is full width (`wide_avx512`: AMD from Zen 5 on) and elsewhere
 from those sizes on; the rest run on MKL. On Intel CPUs (`decode_on_mkl`) every decode weight is
-packed for MKL's own packed product instead (`MKLPacked`, `cblas_sgemm_pack`). MKL's sgemm
+packed for MKL's own packed product instead (`mkl_packed`, `cblas_sgemm_pack`). MKL's sgemm
 copies its weight operand into that layout at every call; a packed weight is read once per
 product, in the order the kernel consumes it. Xeon, the vs_trl models' native rollout against
 the other CPUs' rule (oneDNN-packed from those sizes, plain below; `benchmarks/cpu_choices.py`):
@@ -39,7 +39,8 @@ summation order differs (~1e-6 relative).
 
 `linear(x, w, b)` is the training products' kernel without autograd (the KL reference's
 forward); `decode_weight` and `decode_linear` are the decode loop's (weights packed once per
-rollout); `cpu_linears()` is a context in which every `nn.Linear` of a
+rollout; on MKL, into buffers kept between rollouts for small models, see `mkl_packed`), and
+`decode_add_kernel` its products that add into the residual stream; `cpu_linears()` is a context in which every `nn.Linear` of a
 model — its own, peft's base layers, the output head — runs on the training products' kernel,
 with a backward whose three products (input, weight and bias gradients) run on it too, and
 peft's LoRA layers fused around them. All fall back to `F.linear` off CPUs, for other dtypes,
@@ -58,7 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mogrpo.algo.malloc import mapped
+from mogrpo.algo import mkl_packed
+from mogrpo.algo.mkl_packed import Packed
 
 
 @functools.cache
@@ -200,15 +202,16 @@ def decode_on_onednn() -> bool:
     return available() and wide_avx512()
 
 
-def decode_weight(w: Tensor) -> Tensor | MKLPacked:
-    """w [out, in] as `decode_linear` takes it: `MKLPacked` where MKL computes the decode
-    products (`decode_on_mkl`: Intel CPUs); else `pack`ed for oneDNN where oneDNN computes them
-    (every weight on `decode_on_onednn` CPUs, elsewhere the large ones: see the module
-    docstring); else w itself. w itself also off CPUs and for other dtypes."""
+def decode_weight(w: Tensor, keep: bool = False) -> Tensor | Packed:
+    """w [out, in] as `decode_linear` takes it: `mkl_packed.Packed` where MKL computes the
+    decode products (`decode_on_mkl`: Intel CPUs; `keep`: its buffer is kept for the next pack,
+    see `mkl_packed`); else `pack`ed for oneDNN where oneDNN computes them (every weight on
+    `decode_on_onednn` CPUs, elsewhere the large ones: see the module docstring); else w
+    itself. w itself also off CPUs and for other dtypes."""
     if w.dim() != 2 or w.device.type != "cpu" or w.dtype != torch.float32:
         return w
     if decode_on_mkl():
-        return MKLPacked(w)
+        return Packed(w, keep)
     if decode_on_onednn() or (w.shape[1] >= DECODE_PACK_MIN_IN and w.numel() >= DECODE_PACK_MIN):
         return pack(w)
     return w
@@ -216,76 +219,36 @@ def decode_weight(w: Tensor) -> Tensor | MKLPacked:
 
 @functools.cache
 def decode_on_mkl() -> bool:
-    """Whether the decode loop's products run on MKL's packed product (`MKLPacked`) here: on
-    CPUs where MKL runs its own code (`mkl_native`), where this build has that product."""
-    return mkl_native() and mkl_packing()
+    """Whether the decode loop's products run on MKL's packed product (`mkl_packed`) here: on
+    CPUs where MKL runs its own code (`mkl_native`), where this build exports that product."""
+    return mkl_native() and mkl_packed.works()
 
 
-@functools.cache
-def mkl_packing() -> bool:
-    """Whether this build has MKL's packed-weight product, and it agrees with F.linear."""
-    try:
-        x = torch.linspace(-1, 1, 24).reshape(3, 8)  # fixed values: see `available`
-        w, b = torch.linspace(-2, 2, 40).reshape(5, 8), torch.linspace(0, 1, 5)
-        return bool(torch.allclose(mkl_packed_linear(x, MKLPacked(w), b), F.linear(x, w, b),
-                                   atol=1e-5))
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
-# the rows MKL is told to expect when it packs a weight; the product then takes any number (the
-# packed layout's size does not depend on it). 256 rather than a decode step's 16: the same
-# speed at 16 rows, and up to 1.4x faster at a prefill's (Xeon, 80 rows of 512 x 3840: 4.5 ms
-# against 6.4); no faster above 256
-MKL_PACK_ROWS = 256
-
-
-class MKLPacked:
-    """A weight w [out, in] stored in MKL's own packed layout (`cblas_sgemm_pack`), for many
-    products x w^T (`mkl_packed_linear`). MKL's sgemm otherwise copies w into that layout at
-    every call; packed once, a decode step's product reads it in the order its kernel takes
-    it (Xeon, 16 rows, weights streamed from memory: the vs_trl 8 M-parameter model's
-    products ~25 % faster; weights in cache gain nothing). A copy: pack again after w changes.
-
-    MKL sizes its buffer ~7.6 MB above the data it writes; where this process keeps freed heap
-    memory, the buffer is mapped on its own (`mogrpo.algo.malloc.mapped`), so the unwritten
-    pages never become resident."""
-
-    __slots__ = ("data", "shape_of")
-
-    def __init__(self, w: Tensor) -> None:
-        with mapped():  # most of its pages are never written: see `mogrpo.algo.malloc`
-            self.data = torch.ops.mkl._mkl_reorder_linear_weight(w.detach().contiguous(),
-                                                                  MKL_PACK_ROWS)
-        # the op reads only the shape of the weight it was given (its values only where the
-        # rows differ from those it is told, which `mkl_packed_linear` never lets happen)
-        self.shape_of = w.detach().new_empty(()).expand(w.shape)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.shape_of.shape
-
-
-def mkl_packed_linear(x: Tensor, w: MKLPacked, b: Tensor | None = None) -> Tensor:
-    """`F.linear(x, w, b)` for an `MKLPacked` w (x [..., in], any number of rows)."""
-    return torch.ops.mkl._mkl_linear(x, w.data, w.shape_of, b, x.numel() // x.shape[-1])
-
-
-def decode_linear(x: Tensor, w: Tensor | MKLPacked, b: Tensor | None = None) -> Tensor:
+def decode_linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
     """`F.linear(x, w, b)` in the decode loop (w plain or a `decode_weight`): on MKL's packed
-    product for an `MKLPacked` w, on oneDNN for a `pack`ed one and for any w where
+    product for a `Packed` w, on oneDNN for a `pack`ed one and for any w where
     `decode_on_onednn`; else on the BLAS."""
     return decode_kernel(w)(x, w, b)
 
 
-def decode_kernel(w: Tensor | MKLPacked) -> Callable[..., Tensor]:
+def decode_kernel(w: Tensor | Packed) -> Callable[..., Tensor]:
     """The function `decode_linear` computes with for weights like `w`, to look up once per
     weight rather than per call (a decode step of a small model is mostly call overhead)."""
-    if isinstance(w, MKLPacked):
-        return mkl_packed_linear
+    if isinstance(w, Packed):
+        return mkl_packed.linear
     if w.is_mkldnn:
         return _onednn_op
     return _onednn_linear if decode_on_onednn() else F.linear
+
+
+def decode_add_kernel(w: Tensor | Packed) -> Callable[..., Tensor]:
+    """A function (acc, x, w, b) -> acc + `decode_linear(x, w, b)` for weights like `w`: on
+    MKL's packed product, the sum is written into acc by the product itself (`acc` must then
+    be a tensor nothing else reads: the decode step's residual stream)."""
+    if isinstance(w, Packed):
+        return mkl_packed.linear_add
+    kernel = decode_kernel(w)
+    return lambda acc, x, w, b=None: acc + kernel(x, w, b)
 
 
 def _onednn_op(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

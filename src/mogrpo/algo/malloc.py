@@ -1,15 +1,15 @@
 """glibc malloc's mmap threshold, where mogrpo moves it: raised for a CPU training process
 (`mogrpo.train.host_memory`, which records it here), and lowered for the few allocations that
-must not come from the heap (`mapped`).
+must not grow the heap (`mapped`).
 
 A raised threshold serves blocks of up to 32 MiB from the heap and keeps them there once
 freed. That is what a training step wants of its activations, but not of a block most of whose
-pages are never written: MKL's packed weights (`cpu_linear.MKLPacked`) are allocated ~7.6 MB
-larger than the data they hold. From the heap, the space they leave is later reused by other
-tensors and becomes resident; the vs_trl 32 M-parameter model's peak RSS rose by ~140 MiB
-(1472 -> 1613 MiB, above TRL's 1528). From mappings of their own, untouched pages stay out of
-memory and the whole block goes back to the system when freed: peak 1456-1498 MiB, and the
-rollout as fast (alternated in one process, 1.01-1.04x).
+pages are never written: the buffers MKL asks for its packed weights (`mkl_packed._Block`) are
+several times what it writes. Grown into the heap, the space they leave is later reused by
+other tensors and becomes resident; the vs_trl 32 M-parameter model's peak RSS rose by ~140 MiB
+(1472 -> 1613 MiB, above TRL's 1528). With the threshold lowered, glibc still serves such a
+block from free heap memory where it fits (pages the process holds already: no fault) and
+maps it on its own rather than grow the heap: peak 1456-1520 MiB, the rollout as fast.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import (
-    MKLPacked,
+    decode_add_kernel,
     decode_kernel,
     decode_linear,
     decode_weight,
@@ -56,6 +56,7 @@ from mogrpo.algo.logprobs import (
     token_positions,
     wrapper_chain,
 )
+from mogrpo.algo.mkl_packed import KEEP_MAX_BYTES, Packed
 from mogrpo.modeling.dropout import active_dropout
 from mogrpo.rollout.sampling import SamplingRules
 
@@ -136,7 +137,7 @@ class Projections:
     (~16 ms a call at 8 M parameters)."""
 
     layers: list[_Plain] | None
-    head: Tensor | MKLPacked | None = None  # the output head's weight (`_head_weight`)
+    head: Tensor | Packed | None = None  # the output head's weight (`_head_weight`)
 
 
 def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projections:
@@ -145,19 +146,29 @@ def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projec
     lm = unwrap_causal_lm(model)
     attention, halves = _layout_of(lm)
     pairs = _pairs(lm, halves)
-    return Projections(plain_projections(list(lm.model.layers), attention if pairs else None,
-                                         max_bytes=max_bytes),
-                       _head_weight(lm.get_output_embeddings()))
+    layers, head = list(lm.model.layers), lm.get_output_embeddings()
+    # MKL's packed buffers kept for the next rollout where the weights are small (mkl_packed)
+    keep = _linear_bytes(layers) + _linear_bytes([head]) <= KEEP_MAX_BYTES
+    return Projections(plain_projections(layers, attention if pairs else None,
+                                         max_bytes=max_bytes, keep=keep),
+                       _head_weight(head, keep))
 
 
-def _head_weight(head: nn.Module) -> Tensor | MKLPacked | None:
-    """The weight of an `nn.Linear` output head as `decode_weight` lays it out, where that copy
-    takes at most HEAD_COPY_MAX_BYTES (a large vocabulary's head is read in place: its product
-    is throughput-bound however it is laid out); None for other heads (their module runs)."""
+def _linear_bytes(modules: list[nn.Module]) -> int:
+    """The bytes of every `nn.Linear` weight in `modules` (peft's base layers included)."""
+    return sum(m.weight.numel() * m.weight.element_size() for module in modules
+               for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def _head_weight(head: nn.Module, keep: bool = False) -> Tensor | Packed | None:
+    """The weight of an `nn.Linear` output head as `decode_weight` lays it out (`keep` as
+    there), where that copy takes at most HEAD_COPY_MAX_BYTES (a large vocabulary's head is
+    read in place: its product is throughput-bound however it is laid out); None for other
+    heads (their module runs)."""
     if type(head) is not nn.Linear:
         return None
     w = head.weight
-    return decode_weight(w) if w.numel() * w.element_size() <= HEAD_COPY_MAX_BYTES else w
+    return decode_weight(w, keep) if w.numel() * w.element_size() <= HEAD_COPY_MAX_BYTES else w
 
 
 def _pairs(lm: nn.Module, halves: bool) -> bool:
@@ -290,8 +301,8 @@ class NativeDecoder:
         bias = self._step_bias(S)
         if self.step_layers is None:
             self.step_layers = self._step_layers()
-        for i, (norm1, norm2, (qkv_f, qkv_w, qkv_b), (out_f, out_w, out_b),
-                (up_f, up_w, up_b), (down_f, down_w, down_b), act, heads, kv_heads,
+        for i, (norm1, norm2, (qkv_f, qkv_w, qkv_b), (out_add, out_w, out_b),
+                (up_f, up_w, up_b), (down_add, down_w, down_b), act, heads, kv_heads,
                 scaling) in enumerate(self.step_layers):
             qkv = qkv_f(norm1(x), qkv_w, qkv_b)  # [B, (H + 2 H_kv) D]
             turned = heads + kv_heads
@@ -303,23 +314,26 @@ class NativeDecoder:
             q = qk[:, :heads].reshape(B * kv_heads, heads // kv_heads, D)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
             attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
-            x = x + out_f(attended.view(B, -1), out_w, out_b)
+            x = out_add(x, attended.view(B, -1), out_w, out_b)  # (x is this loop's own)
             gate, up = up_f(norm2(x), up_w, up_b).chunk(2, dim=-1)
-            x = x + down_f(act(gate) * up, down_w, down_b)
+            x = down_add(x, act(gate) * up, down_w, down_b)
         self.length = S
         return self._logits(x)
 
     def _step_layers(self) -> list[tuple]:
         """Per layer, what `_step_pairs` computes with: the two norms as callables (one
         `torch.rms_norm` each where `_rms_norm_of` found the weights, else the module), each
-        projection as (kernel, weight, bias) with `decode_kernel`'s choice, the activation,
+        projection as (kernel, weight, bias) with `decode_kernel`'s choice (for o_proj and
+        down_proj `decode_add_kernel`'s: they add into the residual stream), the activation,
         and the attention's shapes."""
         layers = []
         for layer, p, a in zip(self.layers, self.plain, self.attention, strict=True):
             first, second = p.norms or (None, None)
             norms = (_bound_norm(layer.input_layernorm, first),
                      _bound_norm(layer.post_attention_layernorm, second))
-            projections = [(decode_kernel(w), w, b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
+            projections = [(kernel(w), w, b) for kernel, (w, b) in zip(
+                (decode_kernel, decode_add_kernel, decode_kernel, decode_add_kernel),
+                (p.qkv, p.out, p.gate_up, p.down), strict=True)]
             layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
         return layers
 
@@ -626,17 +640,13 @@ def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Ca
 
 
 def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = None, *,
-                      max_bytes: int | None = None) -> list[_Plain] | None:
+                      max_bytes: int | None = None, keep: bool = False) -> list[_Plain] | None:
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
     copies (at most the layers' linear weights) would exceed `max_bytes` (None:
     PLAIN_MAX_BYTES). Built once per rollout (the weights change at every optimizer step).
-    With `pairs` (each layer's attention shapes) the q and k rows are in `_pair_rows` order."""
-    copied = 0
-    for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, nn.Linear):
-                copied += module.weight.numel() * module.weight.element_size()
-    if copied > (PLAIN_MAX_BYTES if max_bytes is None else max_bytes):
+    With `pairs` (each layer's attention shapes) the q and k rows are in `_pair_rows` order;
+    `keep` as for `decode_weight`."""
+    if _linear_bytes(layers) > (PLAIN_MAX_BYTES if max_bytes is None else max_bytes):
         return None
     plain = []
     for layer in layers:
@@ -655,7 +665,7 @@ def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = 
         out, down = _plain_linear(attn.o_proj), _plain_linear(mlp.down_proj)
         if qkv is None or gate_up is None or out is None or down is None:
             return None
-        packed = [(decode_weight(w), b) for w, b in (qkv, out, gate_up, down)]
+        packed = [(decode_weight(w, keep), b) for w, b in (qkv, out, gate_up, down)]
         first, second = (_rms_norm_of(layer.input_layernorm),
                          _rms_norm_of(layer.post_attention_layernorm))
         norms = (first, second) if first and second else None
