@@ -15,11 +15,11 @@ allocates its buffer itself. Providing the buffer buys two things:
   per MB: ~1/3 of what packing costs). Where a model's decode weights take at most
   KEEP_MAX_BYTES, each pack's buffer is kept for the next rollout's pack of that size
   (`Packed(keep=True)`, `POOL`): the vs_trl 8 M-parameter model's rollout is 1.04x faster
-  (8 alternated pairs in one process), and its run's peak RSS the same (the rollout's peak,
-  778 MiB against 771-780), since the rollout held that memory anyway. A larger model's packs
-  take blocks for one rollout (`_Block`), as PyTorch's wrapper does: kept, the 32 M model's
-  would add ~150 MiB to its run's peak (the pages MKL writes, ~1x the weights, held through
-  the update too).
+  (8 alternated pairs in one process), and its full fine-tuning run's peak RSS 28 MiB higher
+  (805-809 MiB against 775-781, two runs each; TRL's 904-922): the pages MKL writes, ~1x
+  the weights, stay resident through the update. A larger model's packs take blocks for one
+  rollout (`_Block`), as PyTorch's wrapper does: kept, the 32 M model's would add ~150 MiB to
+  its run's peak, above TRL's.
 - **Accumulating products.** `linear_add(acc, x, w)` adds x w^T into acc in the product
   itself (sgemm's beta = 1), where the decode step adds a projection to the residual stream:
   one operation fewer, the same sum to the bit.
