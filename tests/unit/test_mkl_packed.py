@@ -59,6 +59,9 @@ def test_inputs_it_cannot_take_are_refused_with_their_shape():
         mkl_packed.linear(torch.randn(2, 5), packed)
     with pytest.raises(ValueError, match="torch.float64"):
         mkl_packed.linear(torch.randn(2, 4, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match=r"packs a 2-D float32 CPU weight; got \(8, 4\) "
+                                         r"torch.float64 on cpu"):
+        mkl_packed.Packed(torch.randn(8, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"cannot add a product of shape \(2, 8\) into "
                                          r"torch.float32 \(2, 7\)"):
         mkl_packed.linear_add(torch.zeros(2, 7), torch.randn(2, 4), packed)

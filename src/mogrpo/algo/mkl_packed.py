@@ -168,6 +168,9 @@ class Packed:
         functions = cblas()
         if functions is None:
             raise RuntimeError("this PyTorch build exports no MKL packed product")
+        if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError("MKL packs a 2-D float32 CPU weight; got "
+                             f"{tuple(w.shape)} {w.dtype} on {w.device}")
         w = w.detach().contiguous()
         out, inputs = w.shape
         self.shape = w.shape
