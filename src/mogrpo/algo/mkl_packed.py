@@ -13,7 +13,7 @@ allocates its buffer itself. Providing the buffer buys two things:
   packed anew for every rollout. Into memory the process does not hold, every page written
   costs a page fault, zero-filled by the kernel (on the Xeon VM the benchmarks ran on, ~0.4 ms
   per MB, more than the packing itself: the 32 M model's 122 MB of packs took 33 ms into
-  buffers already held, 53-98 ms into fresh ones). Where a model's decode weights take at most
+  buffers already held, 43-102 ms into fresh ones). Where a model's decode weights take at most
   KEEP_MAX_BYTES, each pack's buffer is kept for the next rollout's pack of that size
   (`Packed(keep=True)`, `POOL`): the vs_trl 8 M-parameter model's rollout is 1.04x faster
   (8 alternated pairs in one process), and its full fine-tuning run's peak RSS 28 MiB higher
