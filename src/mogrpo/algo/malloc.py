@@ -39,9 +39,10 @@ def note_raised(threshold: int) -> None:
 
 @contextmanager
 def mapped(min_bytes: int = 2**20) -> Iterator[None]:
-    """Blocks of at least `min_bytes` allocated inside come from mappings of their own, where
-    this process raised the threshold (glibc on Linux); elsewhere nothing changes (glibc's own
-    threshold already maps blocks that size until large blocks have been freed)."""
+    """Blocks of at least `min_bytes` allocated inside never grow the heap, where this process
+    raised the threshold (glibc on Linux): glibc serves one from free heap memory where it fits
+    and maps it on its own otherwise. Elsewhere nothing changes (glibc's own threshold already
+    maps blocks that size until large blocks have been freed)."""
     if _raised is None or not sys.platform.startswith("linux"):
         yield
         return

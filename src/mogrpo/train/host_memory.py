@@ -12,8 +12,8 @@ add tensors of the largest shape).
 `keep_freed_memory` fixes both thresholds with `mallopt`: blocks below MMAP_THRESHOLD come
 from the heap and up to TRIM_THRESHOLD of free heap top stays with the process. The peak is
 the same (every step reaches it again); the memory goes back when the process ends. Blocks
-whose pages are mostly never written (MKL's packed decode weights) are still mapped on their
-own: see `mogrpo.algo.malloc`.
+whose pages are mostly never written (MKL's packed decode weights) still never grow the heap:
+see `mogrpo.algo.malloc`.
 
 It also turns glibc's fastbins off (M_MXFAST 0; its per-thread cache still serves the
 smallest blocks). A freed block of up to 128 bytes waits in a fastbin unmerged, and the next
