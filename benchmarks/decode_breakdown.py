@@ -49,24 +49,26 @@ def _counted(totals: dict[str, float], label: str, fn):
 
 
 def _stubbed_layers(original):
-    """`NativeDecoder._step_layers` with every projection's kernel returning zeros of its
-    output shape (one buffer per shape, so the stub allocates nothing per call), and the two
-    that add into the residual stream returning it as it is."""
+    """`NativeDecoder._step_layers` with the q/k/v and gate/up products returning zeros of
+    their output shape (one buffer per shape, so the stub allocates nothing per call), and the
+    two that add into the residual stream returning it as it is."""
     buffers: dict[tuple[int, int], torch.Tensor] = {}
 
-    def zeros(x, w, b=None):
-        key = (x.shape[0], w.shape[0])
-        if key not in buffers:
-            buffers[key] = torch.zeros(key)
-        return buffers[key]
+    def zeros(width: int):
+        def product(x):
+            key = (x.shape[0], width)
+            if key not in buffers:
+                buffers[key] = torch.zeros(key)
+            return buffers[key]
+        return product
 
-    def unchanged(acc, x, w, b=None):
+    def unchanged(acc, x):
         return acc
 
-    def layers(self):
-        return [(*layer[:2], *((stub, *p[1:]) for stub, p in
-                               zip((zeros, unchanged, zeros, unchanged), layer[2:6], strict=True)),
-                 *layer[6:]) for layer in original(self)]
+    def layers(self, rows):
+        return [(*layer[:2], zeros(p.qkv[0].shape[0]), unchanged, zeros(p.gate_up[0].shape[0]),
+                 unchanged, *layer[6:]) for layer, p in zip(original(self, rows), self.plain,
+                                                            strict=True)]
     return layers
 
 

@@ -266,6 +266,7 @@ def test_on_intel_cpus_every_decode_weight_is_packed_for_mkl(decode_rule):
         assert isinstance(packed, mkl_packed.Packed) and packed.shape == shape
         assert cpu_linear.decode_kernel(packed) is mkl_packed.linear
         assert cpu_linear.decode_add_kernel(packed) is mkl_packed.linear_add
+        assert isinstance(cpu_linear.decode_product(packed, None, 16), mkl_packed.Product)
     # what the packed product cannot take stays as it is, whatever the CPU
     for w in (torch.randn(8), torch.randn(2, 3, 4), torch.randn(4, 3, dtype=torch.float64)):
         assert decode_weight(w) is w
@@ -314,3 +315,21 @@ def test_decode_products_follow_the_cpu_rule(monkeypatch, decode_rule, rule):
         torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     decode_linear(x, w, b)  # an unpacked weight (the output head's) takes the same kernel
     assert len(calls) == 2 * int(on_onednn)
+
+
+@pytest.mark.parametrize("rule", ["intel", "wide", "amd"])
+@pytest.mark.parametrize("out", [600, 100])  # packed for oneDNN on AMD from 2^17 weights
+def test_decode_products_compute_what_decode_linear_does(decode_rule, rule, out):
+    """The decode step's bound products on every CPU's kernels: x -> x w^T + b, and
+    (acc, x) -> acc + x w^T + b."""
+    if rule != "intel" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    decode_rule(rule)
+    torch.manual_seed(0)
+    w, b = torch.randn(out, 256), torch.randn(out)
+    x, acc = torch.randn(16, 256), torch.randn(16, out)
+    weight = decode_weight(w)
+    want = decode_linear(x, weight, b)
+    torch.testing.assert_close(want, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    assert torch.equal(cpu_linear.decode_product(weight, b, 16)(x), want)
+    assert torch.equal(cpu_linear.decode_add_product(weight, b)(acc.clone(), x), acc + want)

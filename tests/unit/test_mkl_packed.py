@@ -109,3 +109,38 @@ def test_without_the_functions_nothing_is_packed(monkeypatch):
     assert mkl_packed.works.__wrapped__() is False
     with pytest.raises(RuntimeError, match="exports no MKL packed product"):
         mkl_packed.Packed(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_product_writes_every_result_into_its_one_buffer(bias):
+    """`Product` gives `linear`'s values to the bit, for any number of rows up to its
+    maximum, each result a view of the same buffer that the next call overwrites."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 48)
+    b = torch.randn(96) if bias else None
+    packed = mkl_packed.Packed(w)
+    product = mkl_packed.Product(packed, b, max_rows=16)
+    x1, x2, x3 = torch.randn(16, 48), torch.randn(16, 48), torch.randn(5, 48)
+    first = product(x1)
+    assert torch.equal(first, mkl_packed.linear(x1, packed, b))
+    address = first.data_ptr()
+    second = product(x2)
+    assert second.data_ptr() == address and torch.equal(first, second)  # overwritten
+    assert torch.equal(second, mkl_packed.linear(x2, packed, b))
+    fewer = product(x3)  # rows leave the batch as completions finish
+    assert fewer.shape == (5, 96) and fewer.data_ptr() == address
+    assert torch.equal(fewer, mkl_packed.linear(x3, packed, b))
+    strided = torch.randn(48, 16).t()  # not contiguous: read through a copy
+    assert torch.equal(product(strided), mkl_packed.linear(strided.contiguous(), packed, b))
+
+
+def test_a_product_refuses_more_rows_than_its_buffer_holds():
+    product = mkl_packed.Product(mkl_packed.Packed(torch.randn(8, 4)), None, max_rows=3)
+    with pytest.raises(ValueError, match=r"at most 3 rows of 4 inputs \[rows, 4\]; "
+                                         r"got \(4, 4\)"):
+        product(torch.randn(4, 4))
+    product(torch.randn(3, 4))  # three rows: the view of that size is made
+    with pytest.raises(ValueError, match=r"got \(3, 2, 4\)"):  # not [rows, in]
+        product(torch.randn(3, 2, 4))
+    with pytest.raises(ValueError, match="4-input float32 weight cannot take"):
+        product(torch.randn(3, 5))

@@ -425,3 +425,24 @@ def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
     scores = torch.einsum("btgd,btkd->btgk", q, k)
     torch.testing.assert_close(scores, torch.einsum("btgd,btkd->btgk", want[..., :heads, :],
                                                     want[..., heads:, :]), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [64, 128, 256, 896, 1536])
+def test_the_decode_steps_rms_norm_equals_the_models_to_the_bit(width):
+    """The decode step's RMSNorm (`_rms_norm_step`, seven small operations) gives the values of
+    `torch.rms_norm` and of the model families' own RMSNorm module exactly."""
+    from mogrpo.rollout.native import _rms_norm_step
+
+    torch.manual_seed(width)
+    module = transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        module.weight.normal_()
+    norm = _rms_norm_step(module.weight, module.variance_epsilon)
+    with torch.inference_mode():
+        for rows, scale in ((16, 1.0), (3, 100.0), (1, 1e-3)):
+            x = torch.randn(rows, width) * scale
+            want = module(x)
+            assert torch.equal(norm(x), want)
+            assert torch.equal(torch.rms_norm(x, (width,), module.weight, 1e-6), want)
+        prefill_row = torch.randn(4, 7, width)[:, -1]  # a strided view, as `_logits` takes
+        assert torch.equal(norm(prefill_row), module(prefill_row))

@@ -252,6 +252,22 @@ def decode_add_kernel(w: Tensor | Packed) -> Callable[..., Tensor]:
     return lambda acc, x, w, b=None: acc + kernel(x, w, b)
 
 
+def decode_product(w: Tensor | Packed, b: Tensor | None, rows: int) -> Callable[[Tensor], Tensor]:
+    """x [at most `rows`, in] -> `decode_linear(x, w, b)`, as one callable for a loop that calls
+    it once per step and is done with each result before the next call: on MKL's packed product
+    (`mkl_packed.Product`) every result is the same buffer, overwritten by the next call."""
+    if isinstance(w, Packed):
+        return mkl_packed.Product(w, b, rows)
+    kernel = decode_kernel(w)
+    return lambda x: kernel(x, w, b)
+
+
+def decode_add_product(w: Tensor | Packed, b: Tensor | None) -> Callable[[Tensor, Tensor], Tensor]:
+    """(acc, x) -> `decode_add_kernel(w)(acc, x, w, b)` as one callable."""
+    kernel = decode_add_kernel(w)
+    return lambda acc, x: kernel(acc, x, w, b)
+
+
 def _onednn_op(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x [..., in] times w^T (packed or plain [out, in]) plus b, on oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mogrpo.algo.cpu_linear import (
-    decode_add_kernel,
-    decode_kernel,
+    decode_add_product,
     decode_linear,
+    decode_product,
     decode_weight,
     linear,
     trained_linear,
@@ -194,6 +194,7 @@ class NativeDecoder:
         self.rotate_halves = self.plain is not None and halves
         self.pairs = self.rotate_halves and pairs
         self.final_norm = _rms_norm_of(self.backbone.norm)
+        self.final_norm_step = _bound_norm(self.backbone.norm, self.final_norm)  # (_logits)
         embed = self.backbone.embed_tokens
         # the token embedding without the module call where it is a plain lookup
         self.embed = functools.partial(F.embedding, weight=embed.weight,
@@ -300,11 +301,10 @@ class NativeDecoder:
         D = self.attention[0].head_dim
         bias = self._step_bias(S)
         if self.step_layers is None:
-            self.step_layers = self._step_layers()
-        for i, (norm1, norm2, (qkv_f, qkv_w, qkv_b), (out_add, out_w, out_b),
-                (up_f, up_w, up_b), (down_add, down_w, down_b), act, heads, kv_heads,
+            self.step_layers = self._step_layers(B)
+        for i, (norm1, norm2, project_qkv, add_out, project_up, add_down, act, heads, kv_heads,
                 scaling) in enumerate(self.step_layers):
-            qkv = qkv_f(norm1(x), qkv_w, qkv_b)  # [B, (H + 2 H_kv) D]
+            qkv = project_qkv(norm1(x))  # [B, (H + 2 H_kv) D]
             turned = heads + kv_heads
             qk = _rotate_pairs(qkv[:, :turned * D], turned, turns)  # [B, H + H_kv, D]
             self.keys[i][:, :, column] = qk[:, heads:]
@@ -314,26 +314,25 @@ class NativeDecoder:
             q = qk[:, :heads].reshape(B * kv_heads, heads // kv_heads, D)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
             attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [B H_kv, G, D]
-            x = out_add(x, attended.view(B, -1), out_w, out_b)  # (x is this loop's own)
-            gate, up = up_f(norm2(x), up_w, up_b).chunk(2, dim=-1)
-            x = down_add(x, act(gate) * up, down_w, down_b)
+            x = add_out(x, attended.view(B, -1))  # (x is this loop's own)
+            gate, up = project_up(norm2(x)).chunk(2, dim=-1)
+            x = add_down(x, act(gate) * up)
         self.length = S
         return self._logits(x)
 
-    def _step_layers(self) -> list[tuple]:
-        """Per layer, what `_step_pairs` computes with: the two norms as callables (one
-        `torch.rms_norm` each where `_rms_norm_of` found the weights, else the module), each
-        projection as (kernel, weight, bias) with `decode_kernel`'s choice (for o_proj and
-        down_proj `decode_add_kernel`'s: they add into the residual stream), the activation,
-        and the attention's shapes."""
+    def _step_layers(self, rows: int) -> list[tuple]:
+        """Per layer, what `_step_pairs` computes with for at most `rows` rows: the two norms as
+        callables (one `torch.rms_norm` each where `_rms_norm_of` found the weights, else the
+        module), the q/k/v and gate/up projections as `decode_product`s (x -> x w^T + b), o_proj
+        and down_proj as `decode_add_product`s ((acc, x) -> acc + x w^T + b: they add into the
+        residual stream), the activation, and the attention's shapes."""
         layers = []
         for layer, p, a in zip(self.layers, self.plain, self.attention, strict=True):
             first, second = p.norms or (None, None)
             norms = (_bound_norm(layer.input_layernorm, first),
                      _bound_norm(layer.post_attention_layernorm, second))
-            projections = [(kernel(w), w, b) for kernel, (w, b) in zip(
-                (decode_kernel, decode_add_kernel, decode_kernel, decode_add_kernel),
-                (p.qkv, p.out, p.gate_up, p.down), strict=True)]
+            projections = (decode_product(*p.qkv, rows), decode_add_product(*p.out),
+                           decode_product(*p.gate_up, rows), decode_add_product(*p.down))
             layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
         return layers
 
@@ -350,7 +349,8 @@ class NativeDecoder:
             self.turns = self.turns[:, rows]
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        hidden = _norm(self.backbone.norm, self.final_norm, hidden)
+        hidden = self.final_norm_step(hidden) if hidden.dtype == torch.float32 and \
+            not torch.is_grad_enabled() else _norm(self.backbone.norm, self.final_norm, hidden)
         if self.head_weight is not None:
             return decode_linear(hidden, self.head_weight, self.head.bias).float()  # [B, V]
         return self.head(hidden).float()
@@ -543,14 +543,28 @@ def _norm(module: nn.Module, fused: Norm | None, x: Tensor) -> Tensor:
 
 
 def _bound_norm(module: nn.Module, fused: Norm | None) -> Callable[[Tensor], Tensor]:
-    """`_norm(module, fused, .)` as one call for float32 hidden states (the decode step's):
-    `torch.rms_norm` bound to the weight and eps where `_rms_norm_of` found them, else the
+    """`_norm(module, fused, .)` as one call for float32 hidden states without autograd (the
+    decode step's): `_rms_norm_step` where `_rms_norm_of` found the weights, else the
     module."""
     if fused is None:
         return module
-    weight, eps = fused
-    return functools.partial(torch.rms_norm, normalized_shape=weight.shape, weight=weight,
-                             eps=eps)
+    return _rms_norm_step(*fused)
+
+
+def _rms_norm_step(weight: Tensor, eps: float) -> Callable[[Tensor], Tensor]:
+    """x -> `torch.rms_norm(x, weight.shape, weight, eps)` for float32 x without autograd, the
+    same values to the bit in seven small operations rather than that function's ten: on CPUs
+    `mean` is a sum then a division (here by a ready tensor, not a number wrapped at every
+    call), and `pow(2)` is x * x. 1.5x faster at a decode step's 16 rows (Xeon: 16.7 against
+    24.9 us at 256 wide); a 0.7 M-parameter model's step runs five."""
+    weight = weight.detach()
+    count = torch.tensor(float(weight.shape[-1]), device=weight.device)
+    eps_t = torch.tensor(eps, dtype=torch.float32, device=weight.device)
+
+    def norm(x: Tensor) -> Tensor:
+        inverse = (x * x).sum(-1, keepdim=True).div_(count).add_(eps_t).rsqrt_()
+        return (x * inverse).mul_(weight)
+    return norm
 
 
 def _rms(x: Tensor, norm: Norm) -> Tensor:
