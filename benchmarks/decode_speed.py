@@ -2,8 +2,13 @@
 
 Builds the vs_trl benchmark's Qwen2 models from scratch (three sizes, one tokenizer), then times
 `generate_rollout` with `engine="hf"` (transformers' generate) and `engine="native"` on the
-same prompts, K and settings, alternating the two engines run by run. No stop id can occur, so
-every row decodes the full budget and both engines do the same number of tokens.
+same prompts, K and settings, alternating the engines run by run. No stop id can occur, so
+every row decodes the full budget and the engines do the same number of tokens.
+
+`native` runs twice: as a training rollout does, fusing and packing the weights at every call
+(the update changes them between rollouts), and with the weights held between calls
+(`held_projections`, as `mogrpo predict`, the quick eval and `mogrpo serve` decode batch after
+batch with the same weights; on a copy of the model, so the first arm packs at every call).
 
     python benchmarks/decode_speed.py                     # all sizes, 5 repeats
     python benchmarks/decode_speed.py --sizes small --repeats 3
@@ -20,6 +25,7 @@ per-repeat ratios.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -30,6 +36,7 @@ import torch
 
 from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+from mogrpo.rollout.native import held_projections
 from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
@@ -40,8 +47,12 @@ SIZES = list(workload.SIZES)
 RESULTS = HERE / "results"
 
 
+ARMS = ("hf", "native", "held")  # generate(); native packing per call; native, weights held
+
+
 def time_engine(model, tok, engine: str, args) -> tuple[float, float]:
-    """Completion tokens per second of wall time and of CPU time, of one rollout call."""
+    """Completion tokens per second of wall time and of CPU time, of one rollout call
+    (`engine`: "hf" or "native")."""
     settings = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0,
                                 stop_token_ids=[len(tok) + 7])  # an id no model can emit
     prompts = [row["prompt"] for row in workload.prompt_rows(0, args.prompts)]
@@ -70,51 +81,57 @@ def main() -> None:
     host_memory = "keep" if keep_freed_memory() is None else "C library defaults"
     rows = []
     for size, model, tok in workload.loaded_models(args.sizes):
-        for engine in ("hf", "native"):  # warm-up, not recorded
-            time_engine(model, tok, engine, args)
-        runs: dict[str, list[float]] = {"hf": [], "native": []}
-        cpu: dict[str, list[float]] = {"hf": [], "native": []}
-        for _ in range(args.repeats):
-            for engine in ("hf", "native"):
-                wall_rate, cpu_rate = time_engine(model, tok, engine, args)
-                runs[engine].append(wall_rate)
-                cpu[engine].append(cpu_rate)
-        ratios = [n / h for n, h in zip(runs["native"], runs["hf"], strict=True)]
-        cpu_ratios = [n / h for n, h in zip(cpu["native"], cpu["hf"], strict=True)]
-        rows.append({
-            "size": size, "parameters": model.num_parameters(),
-            "batch": args.prompts * args.k, "new_tokens": args.new_tokens,
-            "hf_tokens_per_s": statistics.median(runs["hf"]),
-            "native_tokens_per_s": statistics.median(runs["native"]),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "runs": runs,
-            "hf_tokens_per_cpu_s": statistics.median(cpu["hf"]),
-            "native_tokens_per_cpu_s": statistics.median(cpu["native"]),
-            "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
-            "cpu_ratio_max": max(cpu_ratios), "cpu_runs": cpu,
-        })
-        r = rows[-1]
-        print(f"{size}: wall hf {r['hf_tokens_per_s']:.0f} / native "
-              f"{r['native_tokens_per_s']:.0f} tok/s x{r['ratio']:.2f}; CPU hf "
-              f"{r['hf_tokens_per_cpu_s']:.0f} / native {r['native_tokens_per_cpu_s']:.0f} "
-              f"tok/s x{r['cpu_ratio']:.2f}")
+        held_model = copy.deepcopy(model)  # its projections are held; `model`'s are not
+        models = {"hf": (model, "hf"), "native": (model, "native"),
+                  "held": (held_model, "native")}
+        with held_projections(held_model):
+            for arm in ARMS:  # warm-up, not recorded
+                time_engine(models[arm][0], tok, models[arm][1], args)
+            runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            for i in range(args.repeats):
+                for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
+                    wall_rate, cpu_rate = time_engine(models[arm][0], tok, models[arm][1], args)
+                    runs[arm].append(wall_rate)
+                    cpu[arm].append(cpu_rate)
+        del held_model
+        row = {"size": size, "parameters": model.num_parameters(),
+               "batch": args.prompts * args.k, "new_tokens": args.new_tokens}
+        for name, rates in (("", runs), ("cpu_", cpu)):
+            for arm in ARMS:
+                row[f"{arm}_tokens_per_{name or 'wall_'}s"] = statistics.median(rates[arm])
+            for arm in ("native", "held"):
+                ratios = [n / h for n, h in zip(rates[arm], rates["hf"], strict=True)]
+                row[f"{name}{arm}_ratio"] = statistics.median(ratios)
+                row[f"{name}{arm}_ratio_min"], row[f"{name}{arm}_ratio_max"] = \
+                    min(ratios), max(ratios)
+        row["runs"], row["cpu_runs"] = runs, cpu
+        rows.append(row)
+        print(f"{size}: CPU tok/s hf {row['hf_tokens_per_cpu_s']:.0f}, native "
+              f"{row['native_tokens_per_cpu_s']:.0f} (x{row['cpu_native_ratio']:.2f}), held "
+              f"{row['held_tokens_per_cpu_s']:.0f} (x{row['cpu_held_ratio']:.2f})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
             "cpu": cpu_name(), "host_memory": host_memory}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| size | parameters | batch × tokens | generate() tok/s (wall / CPU) | "
-             "native tok/s (wall / CPU) | native / generate by wall time | "
-             "native / generate by CPU time |", "|---|---|---|---|---|---|---|"]
+    lines = ["| size | parameters | batch × tokens | generate() tok/s (CPU) | native tok/s (CPU), "
+             "packing per call | native / generate by CPU time | native tok/s (CPU), weights "
+             "held | held / generate by CPU time | by wall time: native / generate, held / "
+             "generate |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['parameters'] / 1e6:.2f} M | {r['batch']} × "
-                     f"{r['new_tokens']} | {r['hf_tokens_per_s']:.0f} / "
-                     f"{r['hf_tokens_per_cpu_s']:.0f} | {r['native_tokens_per_s']:.0f} / "
-                     f"{r['native_tokens_per_cpu_s']:.0f} | {r['ratio']:.2f}× "
-                     f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | **{r['cpu_ratio']:.2f}×** "
-                     f"({r['cpu_ratio_min']:.2f}–{r['cpu_ratio_max']:.2f}) |")
+        lines.append(
+            f"| {r['size']} | {r['parameters'] / 1e6:.2f} M | {r['batch']} × {r['new_tokens']} "
+            f"| {r['hf_tokens_per_cpu_s']:.0f} | {r['native_tokens_per_cpu_s']:.0f} | "
+            f"**{r['cpu_native_ratio']:.2f}×** ({r['cpu_native_ratio_min']:.2f}–"
+            f"{r['cpu_native_ratio_max']:.2f}) | {r['held_tokens_per_cpu_s']:.0f} | "
+            f"**{r['cpu_held_ratio']:.2f}×** ({r['cpu_held_ratio_min']:.2f}–"
+            f"{r['cpu_held_ratio_max']:.2f}) | {r['native_ratio']:.2f}×, {r['held_ratio']:.2f}× |")
     lines.append(f"\nCPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
-                 f"{args.repeats} repeats alternated; host memory: {meta['host_memory']} "
-                 "(both engines, as `mogrpo train`, `predict` and `serve` run on a CPU).")
+                 f"{args.repeats} repeats, the three arms alternated (order reversed every "
+                 f"repeat); host memory: {meta['host_memory']} (all arms, as `mogrpo train`, "
+                 "`predict` and `serve` run on a CPU). Packing per call: as a training rollout "
+                 "(the weights change between rollouts). Weights held: as `predict`, the quick "
+                 "eval and `serve` (`held_projections`).")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

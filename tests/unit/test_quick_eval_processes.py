@@ -80,3 +80,18 @@ def test_two_processes_score_each_prompt_once_and_agree_with_one(ctx, tmp_path, 
     for task in alone:
         assert asdict(split[task]) == asdict(alone[task])  # prompts and samples in order too
         assert split[task].num_samples == 7
+
+
+def test_every_batch_of_the_eval_decodes_on_one_build_of_the_weights(ctx, tmp_path,
+                                                                     monkeypatch):
+    """The quick eval's batches (3 of each task here) share one fused, packed copy of the
+    weights (`held_projections`), let go when the eval ends."""
+    from mogrpo.rollout import native
+
+    monkeypatch.setenv("SCORED_LOG", str(tmp_path / "scored.jsonl"))
+    built = []
+    build = native._build_projections
+    monkeypatch.setattr(native, "_build_projections", lambda *a: built.append(1) or build(*a))
+    results = evaluate(ctx, batch_size=3)
+    assert len(results) == 2 and all(r.num_samples == 7 for r in results.values())
+    assert len(built) == 1 and not native._HELD

@@ -446,3 +446,60 @@ def test_the_decode_steps_rms_norm_equals_the_models_to_the_bit(width):
             assert torch.equal(torch.rms_norm(x, (width,), module.weight, 1e-6), want)
         prefill_row = torch.randn(4, 7, width)[:, -1]  # a strided view, as `_logits` takes
         assert torch.equal(norm(prefill_row), module(prefill_row))
+
+
+def test_held_projections_are_built_once_until_the_weights_change(tok):
+    """Inside `held_projections` the fused, packed weights are built once and reused by every
+    decode call while the weights stay as they are; an in-place change of any weight (an
+    optimizer step, a load) or switching LoRA adapters builds them anew, and nothing is held
+    after the context."""
+    from mogrpo.algo.cpu_linear import decode_linear
+    from mogrpo.rollout import native
+
+    model = family_model("qwen2", tok)
+    settings = {"greedy": True, "max_new_tokens": 6}
+    before = rollout(model, tok, "native", **settings).completion_ids
+    assert native.decode_projections(model) is not native.decode_projections(model)
+    with native.held_projections(model):
+        first = native.decode_projections(model)
+        assert native.decode_projections(model) is first
+        assert torch.equal(rollout(model, tok, "native", **settings).completion_ids,
+                           before)
+        with native.held_projections(model):  # nested: the outer context holds them
+            assert native.decode_projections(model) is first
+        assert native.decode_projections(model) is first
+        assert native.decode_projections(model, 10**9) is not first  # another budget
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+        changed = native.decode_projections(model)
+        assert changed is not first and native.decode_projections(model) is changed
+        x = torch.randn(3, model.config.intermediate_size)
+        torch.testing.assert_close(  # built from the changed weights
+            decode_linear(x, changed.layers[1].down[0]),
+            x @ model.model.layers[1].mlp.down_proj.weight.detach().t(), atol=1e-4, rtol=1e-5)
+        flipped = rollout(model, tok, "native", **settings).completion_ids
+        assert torch.equal(flipped, rollout(model, tok, "hf", **settings).completion_ids)
+    assert not native._HELD
+    assert native.decode_projections(model) is not native.decode_projections(model)
+
+
+def test_held_projections_follow_lora_adapters_switched_on_and_off(tok):
+    from mogrpo.algo.cpu_linear import decode_linear
+    from mogrpo.rollout import native
+
+    model = apply_lora(family_model("llama", tok), LoraSettings(r=4, alpha=8, dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # adapters that change the outputs
+    with native.held_projections(model):
+        on = native.decode_projections(model)
+        with model.disable_adapter():
+            off = native.decode_projections(model)
+            assert off is not on and native.decode_projections(model) is off
+        back = native.decode_projections(model)
+        assert back is not off
+        x = torch.randn(2, model.config.hidden_size)
+        assert not torch.allclose(decode_linear(x, *on.layers[0].qkv),
+                                  decode_linear(x, *off.layers[0].qkv))
+        assert torch.equal(decode_linear(x, *on.layers[0].qkv),
+                           decode_linear(x, *back.layers[0].qkv))

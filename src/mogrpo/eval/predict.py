@@ -127,11 +127,14 @@ def predict(model: Any, tokenizer: Any, examples: list[Example], ids: list[str],
     from mogrpo.modeling.chat import render_prompt
     from mogrpo.rewards.extract import extract_choice
     from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+    from mogrpo.rollout.native import held_projections
 
     greedy = SamplingSettings(max_new_tokens=settings.max_new_tokens, greedy=True)
     out: list[Prediction] = []
     show = progress and sys.stderr.isatty()
-    with tqdm(total=len(examples), desc="predict", unit="row", disable=not show) as bar:
+    # every batch decodes with the same weights: fused and packed once for all of them
+    with tqdm(total=len(examples), desc="predict", unit="row", disable=not show) as bar, \
+            held_projections(model):
         for start in range(0, len(examples), batch_size):
             chunk = examples[start:start + batch_size]
             rendered = [render_prompt(tokenizer, ex.prompt, system_prompt=settings.system_prompt,

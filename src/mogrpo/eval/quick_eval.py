@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
 from mogrpo.rollout.generate import generate_rollout
+from mogrpo.rollout.native import held_projections
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
@@ -53,6 +54,13 @@ def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
 
     With several `processes` each decodes and scores its share of the prompts (interleaved),
     so no reward or judge call is made twice; every process gets the same results."""
+    # every batch of every task decodes with the same weights: fused and packed once
+    with held_projections(ctx.policy):
+        return _evaluate(ctx, batch_size, samples, step, processes)
+
+
+def _evaluate(ctx: TrainContext, batch_size: int, samples: int, step: int,
+              processes: Processes | None) -> dict[str, TaskEval]:
     cfg = ctx.config
     state = TrainerState(global_step=step, max_steps=cfg.train.max_steps)
     greedy = replace(ctx.sampling, greedy=True)

@@ -26,6 +26,7 @@ from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.modeling.chat import has_chat_template, render_prompt
 from mogrpo.modeling.load import load_policy, resolve_model_dir
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+from mogrpo.rollout.native import held_projections
 from mogrpo.serve.api import RequestError, completion_response, make_handler, parse_request
 from mogrpo.train.host_memory import apply_host_memory
 
@@ -84,6 +85,11 @@ class Batcher:
         return job
 
     def _run(self) -> None:
+        # the weights never change while serving: fused and packed once for every request
+        with held_projections(self.model):
+            self._serve()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             try:
                 jobs = [self.queue.get(timeout=0.1)]
