@@ -39,8 +39,10 @@ summation order differs (~1e-6 relative).
 
 `linear(x, w, b)` is the training products' kernel without autograd (the KL reference's
 forward); `decode_weight` and `decode_linear` are the decode loop's (weights packed once per
-rollout; on MKL, into buffers kept between rollouts for small models, see `mkl_packed`), and
-`decode_add_kernel` its products that add into the residual stream; `cpu_linears()` is a
+rollout; on MKL, into buffers kept between rollouts for small models, see `mkl_packed`),
+`decode_add_kernel` its products that add into the residual stream, and `decode_product` /
+`decode_add_product` the same bound to one weight for the decode step (on MKL into an output
+buffer reused step after step: `mkl_packed.Product`); `cpu_linears()` is a
 context in which every `nn.Linear` of a model — its own, peft's base layers, the output
 head — runs on the training products' kernel,
 with a backward whose three products (input, weight and bias gradients) run on it too, and

@@ -24,6 +24,9 @@ allocates its buffer itself. Providing the buffer buys two things:
 - **Accumulating products.** `linear_add(acc, x, w)` adds x w^T into acc in the product
   itself (sgemm's beta = 1), where the decode step adds a projection to the residual stream:
   one operation fewer, the same sum to the bit.
+- **Outputs in buffers of their own.** A `Product` writes every result into one buffer, which
+  the next call overwrites: the decode step's q/k/v and gate/up projections allocate nothing,
+  and their outputs land in memory the cache holds.
 
 MKL asks for buffers several times the weight (`cblas_sgemm_pack_get_size`: 8.8 MiB for a
 512 x 512 weight) and writes ~1x the weight, in panels with unwritten gaps between them. The

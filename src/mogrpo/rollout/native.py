@@ -8,10 +8,12 @@ directly, attention runs on a cache allocated once for prompt + completion budge
 sampling rules are a few tensor operations (`SamplingRules`). Rows that hit a stop id leave the
 batch, so the cost follows the live rows.
 
-The projections run on plain weights built once per call (`plain_projections`): q/k/v in one
-matrix, gate/up in one, LoRA adapters merged in, and laid out for the CPU's faster float32
-kernel (`mogrpo.algo.cpu_linear.decode_weight`: packed for MKL on Intel CPUs, for oneDNN
-elsewhere), so a layer costs four matmuls and no module calls. Layers that cannot be made
+The projections run on plain weights built once per call (`plain_projections`; once for many
+calls inside `held_projections`, while the weights do not change): q/k/v in one matrix, gate/up
+in one, LoRA adapters merged in, and laid out for the CPU's faster float32 kernel
+(`mogrpo.algo.cpu_linear.decode_weight`: packed for MKL on Intel CPUs, for oneDNN elsewhere),
+so a layer costs four matmuls and no module calls; a decode step writes the q/k/v and gate/up
+products into buffers it reuses (`cpu_linear.decode_product`). Layers that cannot be made
 plain (quantised, DoRA) run their own modules. On CPUs the one-query attention of a decode step
 is three small operations instead of SDPA's padded flash kernel.
 
@@ -949,10 +951,10 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
 def trains_here(model: nn.Module) -> bool:
     """Whether `score_logits` may compute `model`'s update forward, with gradients: CPU
     weights (where it is measured faster than the Hugging Face forward: forward and backward
-    4-8 % less time at 0.7 M parameters on a Xeon: `benchmarks/cpu_choices.py`), a forward that may share prompts
-    (`shares_prompts`: no DDP wrapper, whose forward prepares its gradient reduction, no
-    activation checkpointing), not torch.compile'd (the compiled forward is kept), and no
-    dropout left in the model (`score_logits` applies none)."""
+    4-8 % less time at 0.7 M parameters on a Xeon: `benchmarks/cpu_choices.py`), a forward
+    that may share prompts (`shares_prompts`: no DDP wrapper, whose forward prepares its
+    gradient reduction, no activation checkpointing), not torch.compile'd (the compiled forward
+    is kept), and no dropout left in the model (`score_logits` applies none)."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or not shares_prompts(model):
         return False
