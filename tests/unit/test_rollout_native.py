@@ -503,3 +503,20 @@ def test_held_projections_follow_lora_adapters_switched_on_and_off(tok):
                                   decode_linear(x, *off.layers[0].qkv))
         assert torch.equal(decode_linear(x, *on.layers[0].qkv),
                            decode_linear(x, *back.layers[0].qkv))
+
+
+def test_off_cpus_the_decode_step_keeps_torch_rms_norm():
+    """The seven-operation RMSNorm is for CPUs; elsewhere (a GPU's fused kernel) the decode
+    step calls `torch.rms_norm` itself."""
+    import functools
+
+    from mogrpo.rollout.native import _bound_norm
+
+    module = transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm(8)
+    on_cpu = _bound_norm(module, (module.weight, 1e-6))
+    assert not isinstance(on_cpu, functools.partial)
+    meta = torch.empty(8, device="meta")
+    elsewhere = _bound_norm(module, (meta, 1e-6))
+    assert isinstance(elsewhere, functools.partial) and elsewhere.func is torch.rms_norm
+    assert elsewhere.keywords["weight"] is meta
+    assert _bound_norm(module, None) is module  # no fused weights: the module runs

@@ -598,11 +598,15 @@ def _norm(module: nn.Module, fused: Norm | None, x: Tensor) -> Tensor:
 
 def _bound_norm(module: nn.Module, fused: Norm | None) -> Callable[[Tensor], Tensor]:
     """`_norm(module, fused, .)` as one call for float32 hidden states without autograd (the
-    decode step's): `_rms_norm_step` where `_rms_norm_of` found the weights, else the
-    module."""
+    decode step's): where `_rms_norm_of` found the weights, `_rms_norm_step` on a CPU and
+    `torch.rms_norm` elsewhere (a GPU runs it as one fused kernel); else the module."""
     if fused is None:
         return module
-    return _rms_norm_step(*fused)
+    weight, eps = fused
+    if weight.device.type == "cpu":
+        return _rms_norm_step(weight, eps)
+    return functools.partial(torch.rms_norm, normalized_shape=weight.shape, weight=weight,
+                             eps=eps)
 
 
 def _rms_norm_step(weight: Tensor, eps: float) -> Callable[[Tensor], Tensor]:
