@@ -247,11 +247,11 @@ class Product:
         out, inputs = w.shape
         x = _rows(x, inputs)
         rows = x.shape[0]
+        if x.dim() != 2 or rows > len(self._buffer):
+            raise ValueError(f"this product takes at most {len(self._buffer)} rows of "
+                             f"{inputs} inputs [rows, {inputs}]; got {tuple(x.shape)}")
         y = self._views.get(rows)
-        if y is None or x.dim() != 2:
-            if x.dim() != 2 or rows > len(self._buffer):
-                raise ValueError(f"this product takes at most {len(self._buffer)} rows of "
-                                 f"{inputs} inputs [rows, {inputs}]; got {tuple(x.shape)}")
+        if y is None:
             y = self._views[rows] = self._buffer[:rows]
         if b is not None:
             y.copy_(b)
