@@ -376,9 +376,10 @@ class NativeDecoder:
 
     def _step_layers(self, rows: int) -> list[tuple]:
         """Per layer, what `_step_pairs` computes with for at most `rows` rows: the two norms as
-        callables (`_bound_norm`), the q/k/v and gate/up projections as `decode_product`s (x -> x w^T + b), o_proj
-        and down_proj as `decode_add_product`s ((acc, x) -> acc + x w^T + b: they add into the
-        residual stream), the activation, and the attention's shapes."""
+        callables (`_bound_norm`), the q/k/v and gate/up projections as `decode_product`s
+        (x -> x w^T + b), o_proj and down_proj as `decode_add_product`s ((acc, x) -> acc +
+        x w^T + b: they add into the residual stream), the activation, and the attention's
+        shapes."""
         layers = []
         for layer, p, a in zip(self.layers, self.plain, self.attention, strict=True):
             first, second = p.norms or (None, None)
