@@ -50,7 +50,7 @@ RESULTS = HERE / "results"
 ARMS = ("hf", "native", "held")  # generate(); native packing per call; native, weights held
 
 
-def time_engine(model, tok, engine: str, args) -> tuple[float, float]:
+def time_engine(model, engine: str, tok, args) -> tuple[float, float]:
     """Completion tokens per second of wall time and of CPU time, of one rollout call
     (`engine`: "hf" or "native")."""
     settings = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0,
@@ -86,12 +86,12 @@ def main() -> None:
                   "held": (held_model, "native")}
         with held_projections(held_model):
             for arm in ARMS:  # warm-up, not recorded
-                time_engine(models[arm][0], tok, models[arm][1], args)
+                time_engine(*models[arm], tok, args)
             runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
             cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
             for i in range(args.repeats):
                 for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
-                    wall_rate, cpu_rate = time_engine(models[arm][0], tok, models[arm][1], args)
+                    wall_rate, cpu_rate = time_engine(*models[arm], tok, args)
                     runs[arm].append(wall_rate)
                     cpu[arm].append(cpu_rate)
         del held_model

@@ -248,7 +248,8 @@ class NativeDecoder:
         self.rotate_halves = self.plain is not None and halves
         self.pairs = self.rotate_halves and pairs
         self.final_norm = _rms_norm_of(self.backbone.norm)
-        self.final_norm_step = _bound_norm(self.backbone.norm, self.final_norm)  # (_logits)
+        # `_logits`' norm (the decoder runs in inference mode: see `native_decode`)
+        self.final_norm_step = _bound_norm(self.backbone.norm, self.final_norm)
         embed = self.backbone.embed_tokens
         # the token embedding without the module call where it is a plain lookup
         self.embed = functools.partial(F.embedding, weight=embed.weight,
@@ -403,8 +404,8 @@ class NativeDecoder:
             self.turns = self.turns[:, rows]
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        hidden = self.final_norm_step(hidden) if hidden.dtype == torch.float32 and \
-            not torch.is_grad_enabled() else _norm(self.backbone.norm, self.final_norm, hidden)
+        hidden = self.final_norm_step(hidden) if hidden.dtype == torch.float32 else \
+            self.backbone.norm(hidden)
         if self.head_weight is not None:
             return decode_linear(hidden, self.head_weight, self.head.bias).float()  # [B, V]
         return self.head(hidden).float()
