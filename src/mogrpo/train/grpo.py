@@ -41,7 +41,7 @@ from mogrpo.tracking.jsonl import MetricsWriter
 from mogrpo.train.completions import CompletionLog, completion_rows
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
-from mogrpo.train.optim import build_optimizer, build_scheduler
+from mogrpo.train.optim import build_optimizer, build_scheduler, step_with_update_norms
 from mogrpo.train.parallel import ParallelPolicy
 from mogrpo.train.progress import Progress
 
@@ -351,17 +351,17 @@ class GRPOTrainer:
             params = [p for p in self.ctx.policy.parameters() if p.requires_grad]
             grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
             if torch.isfinite(grad_norm):
-                # How far the weights moved (0 = nothing is learned). It needs a copy of the
-                # trainable weights, so it is measured for adapters and small models only.
+                # How far the weights moved (0 = nothing is learned): the step runs a chunk of
+                # weights at a time, each copied just before, so adapters and small models only,
+                # where the extra optimizer calls cost nothing that counts.
                 small = sum(p.numel() for p in params) <= UPDATE_NORM_MAX_PARAMS
-                before = [p.detach().clone() for p in params] if it == 0 and small else None
-                self.optimizer.step()
-                if before is not None:
-                    diffs = [torch.linalg.vector_norm(p.detach() - b)
-                             for p, b in zip(params, before, strict=True)]
+                if it == 0 and small:
+                    diffs = step_with_update_norms(self.optimizer)
                     totals["update_norm"] = float(self.parallel.global_norm(diffs))
-                elif it == 0:  # too large to copy: not measured (μ > 1 keeps the first pass's)
-                    totals["update_norm"] = float("nan")
+                else:
+                    self.optimizer.step()
+                    if it == 0:  # too large: not measured (μ > 1 keeps the first pass's)
+                        totals["update_norm"] = float("nan")
             else:  # a non-finite gradient would poison AdamW's moments; skip and count it
                 self.skipped_updates += 1
                 log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
