@@ -62,9 +62,10 @@ def step_with_update_norms(optimizer: torch.optim.Optimizer,
                 group["params"] = [p for p in params if id(p) in ids]
             before = [p.detach().clone() for p in chunk]
             optimizer.step()
-            # before - after: the same norm as after - before, and no second buffer
-            norms += [torch.linalg.vector_norm(b.sub_(p.detach()))
-                      for p, b in zip(chunk, before, strict=True)]
+            # before - after: the same norm as after - before, and no second buffer; one call
+            # each for the whole chunk (a small model's ~30 tensors cost ~0.4 ms more one by one)
+            torch._foreach_sub_(before, [p.detach() for p in chunk])
+            norms += torch._foreach_norm(before)
     finally:
         for group, params in zip(optimizer.param_groups, groups, strict=True):
             group["params"] = params
