@@ -202,9 +202,11 @@ def _build_projections(lm: nn.Module, max_bytes: int | None) -> Projections:
     pairs = _pairs(lm, halves)
     layers, head = list(lm.model.layers), lm.get_output_embeddings()
     # MKL's packed buffers kept for the next rollout where the weights are small (mkl_packed)
-    keep = _linear_bytes(layers) + _linear_bytes([head]) <= KEEP_MAX_BYTES
+    layer_bytes = _linear_bytes(layers)
+    keep = layer_bytes + _linear_bytes([head]) <= KEEP_MAX_BYTES
     return Projections(plain_projections(layers, attention if pairs else None,
-                                         max_bytes=max_bytes, keep=keep),
+                                         max_bytes=max_bytes, keep=keep,
+                                         linear_bytes=layer_bytes),
                        _head_weight(head, keep))
 
 
@@ -570,10 +572,13 @@ def _pair_rows(attention: _Attention, rows: int, device: torch.device) -> Tensor
     """An order of the fused q/k/v projection's `rows` that reorders each q and k head's rows
     (0, D/2, 1, D/2 + 1, ...), so each rotary pair of `_rotate_pairs` sits side by side; v
     stays as it is. Keys and queries are reordered alike, so their products, and the attention,
-    are unchanged."""
-    D = attention.head_dim
+    are unchanged. One tensor per shape, shared by every call (an index: never written)."""
+    return _pair_order(attention.heads + attention.kv_heads, attention.head_dim, rows, device)
+
+
+@functools.cache
+def _pair_order(qk_heads: int, D: int, rows: int, device: torch.device) -> Tensor:
     head = torch.arange(D, device=device).view(2, D // 2).t().reshape(-1)
-    qk_heads = attention.heads + attention.kv_heads
     return torch.cat([(torch.arange(qk_heads, device=device)[:, None] * D + head).reshape(-1),
                       torch.arange(qk_heads * D, rows, device=device)])
 
@@ -713,13 +718,16 @@ def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Ca
 
 
 def plain_projections(layers: list[nn.Module], pairs: list[_Attention] | None = None, *,
-                      max_bytes: int | None = None, keep: bool = False) -> list[_Plain] | None:
+                      max_bytes: int | None = None, keep: bool = False,
+                      linear_bytes: int | None = None) -> list[_Plain] | None:
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
-    copies (at most the layers' linear weights) would exceed `max_bytes` (None:
-    PLAIN_MAX_BYTES). Built once per rollout (the weights change at every optimizer step).
-    With `pairs` (each layer's attention shapes) the q and k rows are in `_pair_rows` order;
-    `keep` as for `decode_weight`."""
-    if _linear_bytes(layers) > (PLAIN_MAX_BYTES if max_bytes is None else max_bytes):
+    copies (at most the layers' linear weights, `linear_bytes` where the caller has counted
+    them) would exceed `max_bytes` (None: PLAIN_MAX_BYTES). Built once per rollout (the weights
+    change at every optimizer step). With `pairs` (each layer's attention shapes) the q and k
+    rows are in `_pair_rows` order; `keep` as for `decode_weight`."""
+    if linear_bytes is None:
+        linear_bytes = _linear_bytes(layers)
+    if linear_bytes > (PLAIN_MAX_BYTES if max_bytes is None else max_bytes):
         return None
     plain = []
     for layer in layers:
@@ -851,8 +859,8 @@ def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
     """Every layer's weights for `score_logits`, or None when a layer does not fit: a norm
     other than float32 RMSNorm, a per-head q/k norm, rotary tables not in rotate-half form, or
     a projection `_scoring_linear` cannot read."""
-    layers, attention = list(lm.model.layers), _attention_of(lm)
-    if not _rotate_halves_possible(layers, attention, lm.model):
+    layers, (attention, halves) = list(lm.model.layers), _layout_of(lm)
+    if not halves:
         return None
     found = []
     for layer, a in zip(layers, attention, strict=True):
