@@ -351,9 +351,9 @@ class GRPOTrainer:
             params = [p for p in self.ctx.policy.parameters() if p.requires_grad]
             grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
             if torch.isfinite(grad_norm):
-                # How far the weights moved (0 = nothing is learned): the step runs a chunk of
-                # weights at a time, each copied just before, so adapters and small models only,
-                # where the extra optimizer calls cost nothing that counts.
+                # How far the weights moved (0 = nothing is learned), a chunk of weights at a
+                # time (`step_with_update_norms`): for adapters and small models only, where the
+                # extra optimizer calls cost nothing that counts.
                 small = sum(p.numel() for p in params) <= UPDATE_NORM_MAX_PARAMS
                 if it == 0 and small:
                     diffs = step_with_update_norms(self.optimizer)
