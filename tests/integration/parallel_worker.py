@@ -25,6 +25,7 @@ from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.tasks.context import render_prompts
 from mogrpo.tasks.task import load_tasks
 from mogrpo.tracking import names
+from mogrpo.train import optim
 from mogrpo.train.distributed import Dist, process_group
 from mogrpo.train.grpo import GRPOTrainer, ScoredBatch
 from mogrpo.train.parallel import full_weights, parallelize
@@ -35,6 +36,9 @@ SHARES = {1: [[0, 1, 2]], 2: [[0, 1], [2]]}  # prompts of each process
 # (loss aggregation, μ, LoRA); with 2 processes each runs under DDP and under FSDP2
 SETTINGS = [(a, mu, False) for a in LOSS_AGGREGATIONS for mu in (1, 2)] + [("token_mean", 2, True)]
 STRATEGIES = ("ddp", "fsdp")
+# the update norm's chunked optimizer step in many chunks of at most 4 KiB of weights (a larger
+# tensor alone): in every case, FSDP2's sharded parameters included
+optim.UPDATE_NORM_CHUNK_BYTES = 4096
 
 
 def case_name(aggregation: str, mu: int, lora: bool) -> str:

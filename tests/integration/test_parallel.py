@@ -55,6 +55,9 @@ def test_two_processes_train_like_one(results, setting, strategy):
     losses = torch.tensor(two["losses"]), torch.tensor(one["losses"])
     assert rel_err(*losses) <= 1e-5 and losses[1].abs().min() > 0
     assert rel_err(torch.tensor(two["grad_norms"]), torch.tensor(one["grad_norms"])) <= 1e-5
+    # how far the weights moved (FSDP2: each process's shard, the squares summed over processes)
+    updates = torch.tensor(two["update_norms"]), torch.tensor(one["update_norms"])
+    assert rel_err(*updates) <= 1e-5 and updates[1].min() > 0
     assert sorted(two["weights"]) == sorted(one["weights"])
     assert rel_err(flat(two["weights"]), flat(one["weights"])) <= 1e-5
 

@@ -45,18 +45,20 @@ def _chunks(params: list[Tensor], budget: int) -> Iterator[list[Tensor]]:
 
 
 def step_with_update_norms(optimizer: torch.optim.Optimizer,
-                           budget: int = UPDATE_NORM_CHUNK_BYTES) -> list[Tensor]:
+                           budget: int | None = None) -> list[Tensor]:
     """`optimizer.step()`, and how far it moved each of its parameters: per parameter, the norm
     of (after - before) [scalar tensors, in the optimizer's order].
 
-    The step runs on a chunk of parameters at a time (`budget` bytes of them), each chunk copied
-    just before its step: AdamW's update is element-wise per tensor, so stepping the parameters
-    in chunks gives the bits one step of all of them gives, and the copy never holds more than
-    one chunk. The optimizer's parameter groups are put back as they were, also on an error."""
+    The step runs on a chunk of parameters at a time (`budget` bytes of them, None:
+    UPDATE_NORM_CHUNK_BYTES), each chunk copied just before its step: AdamW's update is
+    element-wise per tensor, so stepping the parameters in chunks gives the bits one step of all
+    of them gives, and the copy never holds more than one chunk. The optimizer's parameter groups
+    are put back as they were, also on an error."""
     groups = [group["params"] for group in optimizer.param_groups]
     norms: list[Tensor] = []
     try:
-        for chunk in _chunks([p for params in groups for p in params], budget):
+        for chunk in _chunks([p for params in groups for p in params],
+                             UPDATE_NORM_CHUNK_BYTES if budget is None else budget):
             ids = {id(p) for p in chunk}
             for group, params in zip(optimizer.param_groups, groups, strict=True):
                 group["params"] = [p for p in params if id(p) in ids]
