@@ -520,3 +520,40 @@ def test_off_cpus_the_decode_step_keeps_torch_rms_norm():
     assert isinstance(elsewhere, functools.partial) and elsewhere.func is torch.rms_norm
     assert elsewhere.keywords["weight"] is meta
     assert _bound_norm(module, None) is module  # no fused weights: the module runs
+
+
+def test_rotary_rows_of_the_kept_table_are_the_modules_values(tok):
+    """score_logits' rotary tables: rows of one table per model, equal to the bits of what the
+    model's rotary module gives the same positions; built again for a longer sequence, another
+    dtype, or frequencies changed in place; usable by a forward with gradients when first
+    built in inference mode."""
+    from mogrpo.rollout.native import _half_tables, _halves
+
+    model = family_model("qwen2", tok)
+    backbone = model.model
+
+    def module_tables(positions, dtype=torch.float32):
+        cos, sin = _halves(*backbone.rotary_emb(torch.zeros(1, dtype=dtype), positions))
+        return cos[:, :, None], sin[:, :, None]
+
+    g = torch.Generator().manual_seed(0)
+    for length, dtype in [(9, torch.float32), (100, torch.float32), (40, torch.float64)]:
+        positions = torch.randint(0, length, (3, 7), generator=g)
+        got, want = _half_tables(backbone, positions, dtype, length), module_tables(positions,
+                                                                                    dtype)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape == (3, 7, 1, 2, 8) and a.dtype == dtype  # head_dim 16
+            assert torch.equal(a, b)
+    with torch.no_grad():
+        backbone.rotary_emb.inv_freq.mul_(0.5)  # another model's frequencies, in place
+    positions = torch.arange(20).view(2, 10)
+    for a, b in zip(_half_tables(backbone, positions, torch.float64, 20),
+                    module_tables(positions, torch.float64), strict=True):
+        assert torch.equal(a, b)
+    other = family_model("llama", tok).model
+    with torch.inference_mode():
+        _half_tables(other, positions, torch.float32, 20)
+    x = torch.randn(2, 10, 1, 2, 8, requires_grad=True)
+    cos, sin = _half_tables(other, positions, torch.float32, 20)
+    (x * cos + x.flip(-2) * sin).sum().backward()
+    assert torch.equal(x.grad, cos + sin.flip(-2))
