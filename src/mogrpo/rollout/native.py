@@ -555,9 +555,12 @@ def _halves(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 def _turn(x: Tensor, heads: int, cos: Tensor, sin: Tensor) -> Tensor:
     """x [N, L, heads * D] rotated per head [N, L, heads, D] by `_halves` tables: (x1, x2) ->
     (x1 c - x2 s, x2 c + x1 s), rotate_half's products and sums, so the result equals the
-    modules' to the last bit, in four operations."""
+    modules' to the last bit, in four operations. The halves swap places by `roll`, the same
+    values as `flip` on a dimension of two: on a CPU a fifth of flip's time, forward and
+    backward (at [16, 31, 4, 2, 16] 26 against 133 µs; the update's forward and backward with
+    the reference forward 1.02x faster at 0.7 M, the same bits)."""
     halves = x.unflatten(-1, (heads, 2, x.shape[-1] // heads // 2))
-    return (halves * cos + halves.flip(-2) * sin).flatten(-2)
+    return (halves * cos + halves.roll(1, -2) * sin).flatten(-2)
 
 
 def _rotate_pairs(x: Tensor, heads: int, turns: Tensor) -> Tensor:
