@@ -92,7 +92,7 @@ def row(size: str, choice: str, spent: dict[str, list[float]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=SIZES, choices=SIZES)
+    parser.add_argument("--sizes", nargs="+", default=workload.CPU_SIZES, choices=SIZES)
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "cpu_choices")
     args = parser.parse_args()

@@ -12,6 +12,10 @@ batch with the same weights; on a copy of the model, so the first arm packs at e
 
     python benchmarks/decode_speed.py                     # all sizes, 5 repeats
     python benchmarks/decode_speed.py --sizes small --repeats 3
+    python benchmarks/decode_speed.py --device cuda --sizes small large xl --prompts 16 --k 8
+
+On a GPU (`--device cuda`) the work is asynchronous and CPU time means little: read the ratios
+by wall time there (each call ends synchronized).
 
 The process's malloc keeps freed memory (`train.host_memory: keep`, which `mogrpo train`,
 `predict` and `serve` set on a CPU), for both engines alike.
@@ -50,15 +54,22 @@ RESULTS = HERE / "results"
 ARMS = ("hf", "native", "held")  # generate(); native packing per call; native, weights held
 
 
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_engine(model, engine: str, tok, args) -> tuple[float, float]:
     """Completion tokens per second of wall time and of CPU time, of one rollout call
     (`engine`: "hf" or "native")."""
     settings = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0,
                                 stop_token_ids=[len(tok) + 7])  # an id no model can emit
     prompts = [row["prompt"] for row in workload.prompt_rows(0, args.prompts)]
+    synchronize(args.device)
     start, cpu = time.perf_counter(), time.process_time()
     ro = generate_rollout(model, tok, prompts, settings, num_generations=args.k,
                           max_prompt_length=64, engine=engine, generator_seed=0)
+    synchronize(args.device)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     tokens = int(ro.lengths.sum())
     return tokens / seconds, tokens / cpu_seconds
@@ -66,21 +77,25 @@ def time_engine(model, engine: str, tok, args) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=SIZES, choices=SIZES)
+    parser.add_argument("--sizes", nargs="+", default=workload.CPU_SIZES, choices=SIZES)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the vs_trl default, steadier on a shared machine)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_speed")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
     torch.set_num_threads(args.threads)
     # the process's malloc keeps freed memory, as in `mogrpo train`, `predict` and `serve` on a
     # CPU; both engines run in this process under the same setting
     host_memory = "keep" if keep_freed_memory() is None else "C library defaults"
     rows = []
     for size, model, tok in workload.loaded_models(args.sizes):
+        model.to(args.device)
         held_model = copy.deepcopy(model)  # its projections are held; `model`'s are not
         models = {"hf": (model, "hf"), "native": (model, "native"),
                   "held": (held_model, "native")}
@@ -112,7 +127,8 @@ def main() -> None:
               f"{row['held_tokens_per_cpu_s']:.0f} (x{row['cpu_held_ratio']:.2f})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
-            "cpu": cpu_name(), "host_memory": host_memory}
+            "cpu": cpu_name(), "host_memory": host_memory, "device": args.device,
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| size | parameters | batch × tokens | generate() tok/s (CPU) | native tok/s (CPU), "
              "packing per call | native / generate by CPU time | native tok/s (CPU), weights "
@@ -126,7 +142,8 @@ def main() -> None:
             f"{r['cpu_native_ratio_max']:.2f}) | {r['held_tokens_per_cpu_s']:.0f} | "
             f"**{r['cpu_held_ratio']:.2f}×** ({r['cpu_held_ratio_min']:.2f}–"
             f"{r['cpu_held_ratio_max']:.2f}) | {r['native_ratio']:.2f}×, {r['held_ratio']:.2f}× |")
-    lines.append(f"\nCPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
+    gpu = f"GPU: {meta['gpu']} (read the wall-time column); " if meta["gpu"] else ""
+    lines.append(f"\n{gpu}CPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
                  f"{args.repeats} repeats, the three arms alternated (order reversed every "
                  f"repeat); host memory: {meta['host_memory']} (all arms, as `mogrpo train`, "
                  "`predict` and `serve` run on a CPU). Packing per call: as a training rollout "

@@ -4,6 +4,10 @@ rewards and settings.
     python benchmarks/vs_trl/run.py --sizes small medium large --modes full lora \
         --repeats 3 --steps 20 --out benchmarks/results/vs_trl
     python benchmarks/vs_trl/run.py --quick          # smoke run: small, 4 steps, 1 repeat
+    python benchmarks/vs_trl/run.py --device cuda --sizes small large xl --modes full lora
+
+`--device cuda` runs both tools on the first CUDA GPU (still fp32, still without vLLM: both
+generate with their own engines, TRL with `generate()`).
 
 Every (tool, size, mode, repeat) is its own process, TRL and mogrpo one after the other
 (the first of each pair alternates between repeats). Writes OUT.json (every step of every run)
@@ -41,6 +45,7 @@ class Bench:
     warmup: int
     threads: int
     engine: str | None
+    device: str = "cpu"
     settings: workload.Settings = field(default_factory=workload.Settings)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     pool: Path = Path()
@@ -80,7 +85,7 @@ def run_trl(bench: Bench, size: str, mode: str, run_dir: Path) -> dict[str, Any]
     result = run_dir / "trl.json"
     cmd = [sys.executable, str(HERE / "trl_worker.py"), "--model", bench.models[size]["path"],
            "--prompts", str(bench.order), "--steps", str(bench.steps), "--mode", mode,
-           "--out", str(result)]
+           "--out", str(result), "--device", bench.device]
     wall, rss = run_child(cmd, bench.env(run_dir / "rewards.jsonl"), run_dir / "log.txt")
     record = json.loads(result.read_text(encoding="utf-8"))
     return {**record, "wall_s": wall, "peak_rss_mib": rss}
@@ -91,7 +96,8 @@ def run_mogrpo(bench: Bench, size: str, mode: str, run_dir: Path) -> dict[str, A
     each step recorded by mogrpo_worker.py); its per-step record."""
     out_dir = run_dir / "run"
     config = workload.mogrpo_config(bench.models[size]["path"], bench.pool, out_dir,
-                                    bench.steps, mode == "lora", bench.settings, bench.engine)
+                                    bench.steps, mode == "lora", bench.settings, bench.engine,
+                                    bench.device)
     path = workload.write_mogrpo_config(run_dir / "config.yaml", config)
     cpu = run_dir / "cpu.json"
     cmd = [sys.executable, str(HERE / "mogrpo_worker.py"), str(path), str(cpu)]
@@ -159,10 +165,14 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
                              text=True, cwd=HERE, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         rev = None
+    machine = (f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
+               f"{platform.python_version()}")
+    if bench.device == "cuda":
+        machine += f", GPU {torch.cuda.get_device_name(0)}"
     return {
         "command": "python benchmarks/vs_trl/run.py " + " ".join(argv),
-        "machine": f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}",
+        "machine": machine,
+        "device": bench.device,
         "threads": bench.threads,
         "load_average_start": os.getloadavg(),
         "versions": {"mogrpo": mogrpo.__version__, "mogrpo_git": rev, "trl": trl.__version__,
@@ -188,6 +198,7 @@ def to_markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     s = meta["settings"]
     commands = "\n".join(f"    {c}" for c in meta.get("commands", [meta["command"]]))
+    device = "the GPU" if meta.get("device") == "cuda" else "CPU"
     return (
         "# mogrpo vs TRL GRPOTrainer, side by side\n\n"
         f"Commands:\n\n{commands}\n\n"
@@ -200,7 +211,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         f"Workload: two-digit additions, {s['prompts_per_step']} prompts × "
         f"{s['num_generations']} completions per step, ≤ {s['max_completion_length']} new "
         f"tokens, temperature {s['temperature']}, β {s['beta']} (k3), lr {s['learning_rate']} "
-        f"constant, token-mean (DAPO) loss, fp32 on CPU, μ = 1; LoRA r {s['lora_r']} "
+        f"constant, token-mean (DAPO) loss, fp32 on {device}, μ = 1; LoRA r {s['lora_r']} "
         f"(alpha {s['lora_alpha']}, all linear layers). The first {meta['warmup_steps']} steps "
         f"of each run are not timed; step time is the median step, generation share and "
         f"tokens/s are over the timed steps, final reward is the mean combined reward of the "
@@ -213,7 +224,7 @@ def to_markdown(results: dict[str, Any]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", choices=list(workload.SIZES),
-                        default=["small", "medium", "large"])
+                        default=workload.CPU_SIZES)
     parser.add_argument("--modes", nargs="+", choices=["full", "lora"], default=["full", "lora"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
@@ -221,6 +232,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (1 on a shared machine: with more, "
                         "threads of busy neighbours stall each other's parallel regions)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where both tools train (cuda: the first GPU)")
     parser.add_argument("--mogrpo-engine", default=None,
                         help="set rollout.engine in mogrpo's config (default: mogrpo's own)")
     parser.add_argument("--work", type=Path, default=Path("runs/vs_trl"),
@@ -238,6 +251,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.sizes, args.steps, args.repeats = ["small"], 4, 1
     if args.out is None:
         args.out = args.work / "quick" if args.quick else Path("benchmarks/results/vs_trl")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA GPU here")
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
     return args
@@ -246,7 +264,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    bench = Bench(args.work.resolve(), args.steps, args.warmup, args.threads, args.mogrpo_engine)
+    bench = Bench(args.work.resolve(), args.steps, args.warmup, args.threads, args.mogrpo_engine,
+                  args.device)
     prepare(bench, args.sizes)
     results: dict[str, Any] = {"meta": metadata(bench, argv), "entries": []}
     kept = merged_entries(args.out, args.sizes, args.modes) if args.merge else []

@@ -1,7 +1,7 @@
 """One TRL GRPOTrainer run of the benchmark, in its own process (started by run.py).
 
     python benchmarks/vs_trl/trl_worker.py --model DIR --prompts ORDER.jsonl --steps N \
-        --mode full|lora --out RESULT.json
+        --mode full|lora --out RESULT.json [--device cpu|cuda]
 
 Writes per-step wall and CPU times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
 tokenize, `model.generate`, decode — what mogrpo's `time/rollout_s` covers) and completion
@@ -32,6 +32,13 @@ class StepTimer:
         self.completion_tokens: list[int] = []
         self._start = self._cpu_start = 0.0
 
+    @staticmethod
+    def synchronize() -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
     def wrap_generate(self, trainer: Any) -> None:
         """Replace the trainer's `_generate` by a timed call of the original."""
         original = trainer._generate
@@ -55,14 +62,15 @@ class StepTimer:
                 timer._start, timer._cpu_start = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                timer.synchronize()  # a GPU's queued work belongs to this step
                 timer.step_s.append(time.perf_counter() - timer._start)
                 timer.cpu_s.append(time.process_time() - timer._cpu_start)
 
         return _Callback()
 
 
-def grpo_config(settings: Settings, steps: int, output_dir: str) -> Any:
-    """TRL's config matching mogrpo's run: fp32 on CPU, token-mean (DAPO) loss, k3 KL
+def grpo_config(settings: Settings, steps: int, output_dir: str, device: str = "cpu") -> Any:
+    """TRL's config matching mogrpo's run: fp32 on `device`, token-mean (DAPO) loss, k3 KL
     without the importance weight (mogrpo's default), no eval, no saving, no trackers."""
     from trl import GRPOConfig
 
@@ -91,7 +99,7 @@ def grpo_config(settings: Settings, steps: int, output_dir: str) -> Any:
         max_grad_norm=1.0,
         bf16=False,
         fp16=False,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         gradient_checkpointing=False,
         use_vllm=False,
         shuffle_dataset=False,  # the dataset is already in mogrpo's draw order
@@ -113,6 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--mode", choices=["full", "lora"], required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
 
     import torch
@@ -132,7 +141,7 @@ def main() -> None:
     ) if args.mode == "lora" else None
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as tmp:
-        config = grpo_config(settings, args.steps, tmp)
+        config = grpo_config(settings, args.steps, tmp, args.device)
         config.model_init_kwargs = {"dtype": torch.float32}
         trainer = GRPOTrainer(
             model=args.model,

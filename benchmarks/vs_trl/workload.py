@@ -57,12 +57,15 @@ class ModelSize:
     intermediate_size: int
 
 
-# ~0.7 M, ~8 M and ~32 M parameters with the shared 512-token vocabulary (embeddings tied).
+# ~0.7 M, ~8 M and ~32 M parameters with the shared 512-token vocabulary (embeddings tied);
+# "xl", ~0.2 B, is for GPUs (`--device cuda`): on two CPU cores one run takes many minutes.
 SIZES = {
     "small": ModelSize(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=640),
     "medium": ModelSize(hidden_size=256, num_layers=8, num_heads=4, intermediate_size=960),
     "large": ModelSize(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1920),
+    "xl": ModelSize(hidden_size=1024, num_layers=16, num_heads=16, intermediate_size=2816),
 }
+CPU_SIZES = ["small", "medium", "large"]
 VOCAB_SIZE = 512
 POOL_SIZE = 512
 
@@ -160,11 +163,12 @@ def mogrpo_order(rows: list[dict[str, Any]], steps: int, settings: Settings) -> 
 
 
 def mogrpo_config(model: str, data: Path, out_dir: Path, steps: int, lora: bool,
-                  settings: Settings, engine: str | None = None) -> dict[str, Any]:
+                  settings: Settings, engine: str | None = None,
+                  device: str = "cpu") -> dict[str, Any]:
     """mogrpo's config for one run: the shared settings, no eval, no SFT, no checkpoints."""
     config: dict[str, Any] = {
         "seed": settings.seed,
-        "device": "cpu",
+        "device": device,
         "model": {"name_or_path": model, "dtype": "float32", "use_chat_template": False},
         "lora": {"enabled": lora, "r": settings.lora_r, "alpha": settings.lora_alpha,
                  "dropout": settings.lora_dropout, "target_modules": "all-linear"},

@@ -89,6 +89,10 @@ def test_mogrpo_config_is_valid_and_matches_the_shared_settings(bench, tmp_path)
     assert "engine" not in raw["rollout"]
     with_engine = workload.mogrpo_config("m", data, tmp_path / "run", 7, False, settings, "hf")
     assert with_engine["rollout"]["engine"] == "hf"
+    assert raw["device"] == "cpu"
+    on_gpu = workload.mogrpo_config("m", data, tmp_path / "run", 7, False, settings,
+                                    device="cuda")
+    assert on_gpu["device"] == "cuda" and on_gpu["model"]["dtype"] == "float32"
 
 
 def test_trl_config_matches_the_shared_settings(bench, tmp_path):
@@ -105,6 +109,24 @@ def test_trl_config_matches_the_shared_settings(bench, tmp_path):
     assert not (config.bf16 or config.gradient_checkpointing or config.shuffle_dataset)
     assert config.lr_scheduler_type == "constant" and config.save_strategy == "no"
     assert config.reward_weights == [1.0, 0.2]
+    assert config.use_cpu
+    assert not worker.grpo_config(bench["workload"].Settings(), 7, str(tmp_path), "cuda").use_cpu
+
+
+def test_the_gpu_options_refuse_a_machine_without_one(bench, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    sys.path.insert(0, str(BENCH))
+    try:
+        run = importlib.import_module("run")
+    finally:
+        sys.path.remove(str(BENCH))
+    assert run.parse_args([]).sizes == ["small", "medium", "large"]  # xl only when asked
+    with pytest.raises(SystemExit):
+        run.parse_args(["--device", "cuda"])
+    assert "--device cuda: torch sees no CUDA GPU here" in capsys.readouterr().err
 
 
 def test_prompt_order_is_mogrpo_draw_order(bench):
