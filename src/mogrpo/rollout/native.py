@@ -393,12 +393,22 @@ class NativeDecoder:
             layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
         return layers
 
-    def keep(self, rows: Tensor) -> None:
+    def keep(self, rows: Tensor, ascending: list[int] | None = None) -> None:
         """Keep the rows `rows` of the cache, in that order (finished completions leave; after
         a prefill of distinct prompts, each row gets its prompt's). Only the columns written
-        so far are copied: a decode step writes its column before any query reads it."""
-        self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
-        self.values = [_rows_of(v, rows, self.length) for v in self.values]
+        so far are copied: a decode step writes its column before any query reads it.
+
+        `ascending`: `rows` as a list, when they rise strictly (finished rows leaving). The
+        cache's rows then move up in place (`_shift_rows`): only those after the first
+        finished row, and no new cache is allocated."""
+        if ascending is None:
+            self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
+            self.values = [_rows_of(v, rows, self.length) for v in self.values]
+        else:
+            moves = _row_moves(ascending)
+            self.keys = [_shift_rows(k, moves, len(ascending), self.length) for k in self.keys]
+            self.values = [_shift_rows(v, moves, len(ascending), self.length)
+                           for v in self.values]
         self.valid = self.valid[rows]
         self.bias = self.bias[rows]
         self.positions = self.positions[rows]
@@ -500,6 +510,34 @@ def _rows_of(cache: Tensor, rows: Tensor, columns: int) -> Tensor:
     out = cache.new_empty((len(rows), *cache.shape[1:]))
     out[:, :, :columns] = cache[rows, :, :columns]
     return out
+
+
+def _row_moves(rows: list[int]) -> list[tuple[int, int, int]]:
+    """The block copies (first, end, shift) that move rows `rows` (strictly rising) of a
+    cache to its first len(rows) rows in place: rows first..end-1 take rows first+shift..
+    end-1+shift, in this order. A run of rows with the same shift is copied in blocks of at
+    most `shift` rows, so no block overlaps its source, and each source is read before an
+    earlier block's copy overwrites it. Rows before the first that leaves stay."""
+    moves, i, n = [], 0, len(rows)
+    while i < n and rows[i] == i:
+        i += 1
+    while i < n:
+        shift = rows[i] - i
+        j = i + 1
+        while j < n and rows[j] - j == shift:
+            j += 1
+        moves.extend((first, min(first + shift, j), shift) for first in range(i, j, shift))
+        i = j
+    return moves
+
+
+def _shift_rows(cache: Tensor, moves: list[tuple[int, int, int]], rows: int,
+                columns: int) -> Tensor:
+    """`cache` [B, H_kv, T_max, D] with `moves` (see `_row_moves`) done on its first `columns`
+    columns; its first `rows` rows, a view."""
+    for first, end, shift in moves:
+        cache[first:end, :, :columns].copy_(cache[first + shift:end + shift, :, :columns])
+    return cache[:rows]
 
 
 def _attention_of(lm: nn.Module) -> list[_Attention]:
@@ -841,7 +879,7 @@ def _decode(decoder: NativeDecoder, prompt_ids: Tensor, prompt_mask: Tensor, set
             if rows.numel() == 0:
                 break
             live, chosen = live[rows], chosen[rows]
-            decoder.keep(rows)
+            decoder.keep(rows, ascending=rows.tolist())
             rules.keep(rows)
         logits = decoder.step(chosen)
     return Decoded(tokens[:, :steps], rules.guard.replaced,
