@@ -29,39 +29,24 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.modeling.load import LoraSettings, apply_lora
-from mogrpo.modeling.tiny import build_tiny_model
+from mogrpo.modeling.tiny import NATIVE_FAMILIES, build_tiny_model, random_family_model
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["the cat sat on", "答案 因为 the question", "a", "option A B because the context says"]
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
-}
+FAMILIES = list(NATIVE_FAMILIES)
 LOGP_ATOL = 1e-4
 CHI2_LIMIT = 18.48  # chi-square 0.99 quantile, 7 degrees of freedom
 
 
 def family_model(family: str, tok, device: str, dtype: torch.dtype, seed: int = 0):
-    config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.2, **{"pad_token_id": tok.pad_token_id, **extra},
-    )
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval().to(device=device, dtype=dtype)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
-    return model
+    return random_family_model(family, len(tok), pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id, seed=seed).to(device=device,
+                                                                           dtype=dtype)
 
 
 def rollout(model, tok, engine: str, prompts=PROMPTS, k: int = 2, seed: int = 0, **settings):

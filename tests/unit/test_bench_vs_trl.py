@@ -12,6 +12,15 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl"
 
 
+def bench_module(name: str):
+    """A module of benchmarks/vs_trl/ (which imports its neighbours by name)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 @pytest.fixture(scope="module")
 def bench():
     sys.path.insert(0, str(BENCH))
@@ -97,11 +106,7 @@ def test_mogrpo_config_is_valid_and_matches_the_shared_settings(bench, tmp_path)
 
 def test_trl_config_matches_the_shared_settings(bench, tmp_path):
     pytest.importorskip("trl")
-    sys.path.insert(0, str(BENCH))
-    try:
-        worker = importlib.import_module("trl_worker")
-    finally:
-        sys.path.remove(str(BENCH))
+    worker = bench_module("trl_worker")
     config = worker.grpo_config(bench["workload"].Settings(), 7, str(tmp_path))
     assert (config.loss_type, config.beta, config.num_generations) == ("dapo", 0.04, 4)
     assert config.per_device_train_batch_size == 16 and config.steps_per_generation == 1
@@ -118,11 +123,7 @@ def test_the_gpu_options_refuse_a_machine_without_one(bench, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    sys.path.insert(0, str(BENCH))
-    try:
-        run = importlib.import_module("run")
-    finally:
-        sys.path.remove(str(BENCH))
+    run = bench_module("run")
     assert run.parse_args([]).sizes == ["small", "medium", "large"]  # xl only when asked
     with pytest.raises(SystemExit):
         run.parse_args(["--device", "cuda"])

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig, LogitsProcessorList
 
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.modeling.load import LoraSettings, apply_lora
+from mogrpo.modeling.tiny import NATIVE_FAMILIES, random_family_model
 from mogrpo.rollout import generate as generate_module
 from mogrpo.rollout.generate import (
     SamplingSettings,
@@ -23,14 +24,7 @@ from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
 from mogrpo.rollout.sampling import SamplingRules, draw
 
 PROMPTS = ["the cat sat on", "答案 因为 the question", "a", "option A B because the context says"]
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
-}
+FAMILIES = NATIVE_FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +34,8 @@ def tok(tiny_model_dir):
 
 def family_model(family: str, tok, seed: int = 0) -> torch.nn.Module:
     """A tiny random model of `family` with grouped-query attention and spread-out logits."""
-    config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.2, **{"pad_token_id": tok.pad_token_id, **extra},
-    )
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
-    return model
+    return random_family_model(family, len(tok), pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id, seed=seed)
 
 
 def rollout(model, tok, engine, *, k=2, seed=0, **settings):

@@ -27,6 +27,17 @@ from mogrpo.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# The families mogrpo's native rollout engine serves: (config class, model class, extra config
+# fields) of transformers, for `random_family_model`.
+NATIVE_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+}
+
 PAD = "<|pad|>"
 EOS = "<|end_of_text|>"
 EOT = "<|eot|>"
@@ -141,3 +152,24 @@ def build_tiny_model(
         out,
     )
     return out
+
+
+def random_family_model(family: str, vocab_size: int, *, pad_token_id: int, eos_token_id: int,
+                        seed: int = 0) -> PreTrainedModel:
+    """A tiny random model of a `NATIVE_FAMILIES` family in eval mode (2 layers, hidden 64,
+    grouped-query attention: 4 query heads over 2 key heads), its logits spread out
+    (initializer_range 0.2) so greedy and sampled tokens vary: what the rollout engines are
+    compared on, in the tests and in `benchmarks/gpu_equivalence.py`."""
+    import transformers
+
+    config_name, model_name, extra = NATIVE_FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.2, **{"pad_token_id": pad_token_id, **extra},
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id,
+                                               pad_token_id=pad_token_id)
+    return model
