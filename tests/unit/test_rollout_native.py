@@ -544,10 +544,12 @@ def test_rotary_rows_of_the_kept_table_are_the_modules_values(tok):
     assert torch.equal(x.grad, cos + sin.flip(-2))
 
 
-def test_a_decode_on_cuda_keeps_sdpa_off_cudnn(tok, monkeypatch):
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_a_decode_on_cuda_keeps_sdpa_off_cudnn(engine, tok, monkeypatch):
     """cuDNN's attention builds a plan for every new shape, and a decode meets one at every
-    step: each SDPA call of a CUDA decode runs with that backend off, and it is on again after.
-    (No GPU here: the CUDA choice is forced; on a CPU the backend flags stay as they are.)"""
+    step: each SDPA call of a CUDA decode, native or generate(), runs with that backend off,
+    and it is on again after. (No GPU here: the CUDA choice is forced; on a CPU the backend
+    flags stay as they are.)"""
     from mogrpo.rollout import native
 
     seen: list[bool] = []
@@ -557,15 +559,16 @@ def test_a_decode_on_cuda_keeps_sdpa_off_cudnn(tok, monkeypatch):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(native.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     model = family_model("qwen2", tok)
-    on_cpu = rollout(model, tok, "native", greedy=True, max_new_tokens=6)
+    on_cpu = rollout(model, tok, engine, greedy=True, max_new_tokens=6)
     assert seen and all(seen)
     seen.clear()
     decode_attention = native.decode_attention
-    monkeypatch.setattr(native, "decode_attention",
-                        lambda device: decode_attention(torch.device("cuda")))
-    as_on_cuda = rollout(model, tok, "native", greedy=True, max_new_tokens=6)
+    as_cuda = lambda device: decode_attention(torch.device("cuda"))  # noqa: E731
+    monkeypatch.setattr(native, "decode_attention", as_cuda)
+    monkeypatch.setattr(generate_module, "decode_attention", as_cuda)
+    as_on_cuda = rollout(model, tok, engine, greedy=True, max_new_tokens=6)
     assert seen and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled()

@@ -22,6 +22,7 @@ from mogrpo.config.sections import RolloutConfig, RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.native import (
     Decoded,
+    decode_attention,
     decode_projections,
     native_decode,
     unsupported_reason,
@@ -350,6 +351,7 @@ def _decode_batches(
         _eval_mode(model),
         torch.no_grad(),
         torch.random.fork_rng(devices=devices, enabled=generator_seed is not None),
+        decode_attention(device),  # generate() too: see decode_attention
     ):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)

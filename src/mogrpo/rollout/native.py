@@ -814,7 +814,8 @@ def decode_attention(device: torch.device) -> AbstractContextManager:
     (another prompt length). On an H200 in bf16, inside `mogrpo train` on the smoke test's
     model, that was 2.68 s of a profiled 3.0 s in four rollouts: 10 ms an attention call, the
     native rollout 3.5x slower than generate()'s. With fixed shapes (the plans built) the same
-    decode took 48 ms against generate()'s 86."""
+    decode took 48 ms against generate()'s 86. generate() meets new shapes too (0.68 s of its
+    1.17 s there), so both engines decode under this."""
     if device.type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
