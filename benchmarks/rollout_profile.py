@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mogrpo.demo import demo_base, tokenizer_corpus
 from mogrpo.modeling.tiny import build_tiny_model
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+from mogrpo.train.host_memory import keep_freed_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_smoke import QWEN2_SMALL  # noqa: E402  (the smoke test's model shape)
@@ -44,10 +45,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     parser.add_argument("--out", type=Path, default=Path("runs/rollout-profile"))
     parser.add_argument("--train", choices=["native", "hf"], default=None,
                         help="profile the rollouts of a short `mogrpo train` with this engine")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.train:
         return profile_training(args.train, args.out)
     texts = tokenizer_corpus(demo_base(), 0)
@@ -68,6 +71,8 @@ def main() -> None:
             torch.cuda.synchronize()
         return ro
 
+    if args.device == "cpu":
+        keep_freed_memory()  # as `mogrpo train` on a CPU, for both engines
     times: dict[str, list[float]] = {"hf": [], "native": []}
     for engine in times:
         call(engine)  # warm-up
