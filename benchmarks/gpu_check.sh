@@ -8,7 +8,7 @@
 # 2. gpu_smoke.py --engines native hf: a short `mogrpo train` with each engine;
 # 3. decode_speed.py --device cuda: tokens/s of native against generate() at 128 rows;
 # 4. vs_trl/run.py --device cuda: mogrpo against TRL's GRPOTrainer on the GPU (both fp32,
-#    neither with vLLM), with whatever is left of SECONDS (default 480).
+#    neither with vLLM; the 0.21 B size first), with whatever is left of SECONDS (default 480).
 #
 # Each step has its own time limit and writes its results under OUT_DIR as it goes, so a step
 # that fails or runs out of time leaves the others' results. Needs mogrpo's requirements and the
@@ -46,5 +46,5 @@ step smoke 120 "$py" benchmarks/gpu_smoke.py --engines native hf --steps 6 \
     --work /tmp/mogrpo-gpu-smoke --out "$out/gpu_smoke.json"
 step decode 120 "$py" benchmarks/decode_speed.py --device cuda --sizes small large xl \
     --prompts 16 --k 8 --repeats 3 --out "$out/decode_speed_gpu"
-step vs_trl "$(left)" "$py" benchmarks/vs_trl/run.py --device cuda --sizes small xl \
+step vs_trl "$(left)" "$py" benchmarks/vs_trl/run.py --device cuda --sizes xl small \
     --modes full lora --repeats 2 --steps 8 --work /tmp/mogrpo-vs-trl --out "$out/vs_trl_gpu"
