@@ -7,7 +7,10 @@
 #    log-probs for six families in fp32, bf16 agreement, LoRA, the sampling distribution);
 # 2. gpu_smoke.py --engines native hf: a short `mogrpo train` with each engine;
 # 3. decode_speed.py --device cuda: tokens/s of native against generate() at 128 rows;
-# 4. vs_trl/run.py --device cuda: mogrpo against TRL's GRPOTrainer on the GPU (both fp32,
+# 4. rollout_profile.py --train: the rollouts inside `mogrpo train` (the smoke test's bf16 model)
+#    timed and profiled, native without and with cuDNN's attention kernel, and generate();
+#    their timings go to the log, their profiles to /tmp/mogrpo-rollout-profile;
+# 5. vs_trl/run.py --device cuda: mogrpo against TRL's GRPOTrainer on the GPU (both fp32,
 #    neither with vLLM; the 0.21 B size first), with whatever is left of SECONDS (default 480).
 #
 # Each step has its own time limit and writes its results under OUT_DIR as it goes, so a step
@@ -46,5 +49,18 @@ step smoke 120 "$py" benchmarks/gpu_smoke.py --engines native hf --steps 6 \
     --work /tmp/mogrpo-gpu-smoke --out "$out/gpu_smoke.json"
 step decode 120 "$py" benchmarks/decode_speed.py --device cuda --sizes small large xl \
     --prompts 16 --k 8 --repeats 3 --out "$out/decode_speed_gpu"
+profile_rollouts() {  # each run's timing line; its profile and log stay in /tmp
+    local dir=/tmp/mogrpo-rollout-profile args name
+    for args in "--train native" "--train native --allow-cudnn" "--train hf"; do
+        name=${args//[ -]/}
+        mkdir -p "$dir/$name"
+        # shellcheck disable=SC2086  # the options split on purpose
+        "$py" benchmarks/rollout_profile.py $args --out "$dir/$name" > "$dir/$name.log" 2>&1
+        grep 'profiled rollouts' "$dir/$name.log" || tail -20 "$dir/$name.log"
+    done
+}
+export -f profile_rollouts
+export py
+step rollouts 150 bash -c profile_rollouts
 step vs_trl "$(left)" "$py" benchmarks/vs_trl/run.py --device cuda --sizes xl small \
     --modes full lora --repeats 2 --steps 8 --work /tmp/mogrpo-vs-trl --out "$out/vs_trl_gpu"

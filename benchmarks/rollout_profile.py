@@ -13,7 +13,11 @@ and cProfile's Python functions. Writes DIR/rollout_profile.txt and prints the t
 `--train ENGINE` instead runs `mogrpo train` on gpu_smoke.py's config (the demo's two tasks,
 6 steps) in this process and profiles the trainer's rollouts (`GRPOTrainer.generate`) from the
 third step on: what a training rollout costs beyond the decode loop. It writes
-DIR/train_rollout_profile.txt.
+DIR/train_rollout_profile_ENGINE.txt.
+
+`--allow-cudnn` lets SDPA pick cuDNN's attention kernel while decoding, as before 262c1d8
+(`mogrpo.rollout.native.decode_attention` keeps it out on CUDA): the two runs side by side
+show what that choice is worth on a GPU.
 """
 
 from __future__ import annotations
@@ -49,7 +53,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/rollout-profile"))
     parser.add_argument("--train", choices=["native", "hf"], default=None,
                         help="profile the rollouts of a short `mogrpo train` with this engine")
+    parser.add_argument("--allow-cudnn", action="store_true",
+                        help="let SDPA use cuDNN's attention kernel while decoding")
     args = parser.parse_args()
+    if args.allow_cudnn:
+        from contextlib import nullcontext
+
+        from mogrpo.rollout import generate, native
+
+        native.decode_attention = generate.decode_attention = lambda device: nullcontext()
     torch.set_num_threads(args.threads)
     if args.train:
         return profile_training(args.train, args.out)
@@ -82,6 +94,7 @@ def main() -> None:
             ro = call(engine)
             times[engine].append(time.perf_counter() - start)
     lines = [f"device {args.device}, {args.dtype}"
+             + (", cuDNN attention allowed" if args.allow_cudnn else "")
              + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else ""),
              f"prompt tokens {int(ro.prompt_mask.sum(1).max())} max, completion tokens "
              f"{int(ro.lengths.sum())} in {ro.lengths.numel()} rows"]
@@ -106,6 +119,12 @@ def main() -> None:
     report = "\n".join(lines) + "\n\n" + table + "\n\n" + stream.getvalue()
     (args.out / "rollout_profile.txt").write_text(report, encoding="utf-8")
     print(table[:6000])
+
+
+def native_attention_patched() -> bool:
+    from mogrpo.rollout import native
+
+    return native.decode_attention.__name__ == "<lambda>"
 
 
 def profile_training(engine: str, out: Path) -> None:
@@ -150,7 +169,8 @@ def profile_training(engine: str, out: Path) -> None:
     stats = pstats.Stats(profiler, stream=stream)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)
-    head = (f"{engine}: {len(seconds)} profiled rollouts, "
+    allowed = " (cuDNN attention allowed)" if native_attention_patched() else ""
+    head = (f"{engine}{allowed}: {len(seconds)} profiled rollouts, "
             f"{', '.join(f'{s * 1000:.0f}' for s in seconds)} ms")
     (out / f"train_rollout_profile_{engine}.txt").write_text(head + "\n" + stream.getvalue(),
                                                              encoding="utf-8")
