@@ -151,11 +151,14 @@ def load_policy(
     load_in_4bit: bool = False,
     tokenizer_name_or_path: str | None = None,
     disable_dropout: bool = True,
+    device: torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM (optionally 4-bit, with LoRA) and its tokenizer from a directory or hub id.
 
     `disable_dropout` sets the model's own dropout to 0 (see `mogrpo.modeling.dropout`; LoRA's
     dropout is kept); a wrong `lora.target_modules` is reported before the weights load.
+    `device` a CUDA device: the weights load straight onto it, never whole in host memory
+    (otherwise they load on the CPU, where the caller moves them).
     """
     torch_dtype = resolve_dtype(dtype)
     _check_accelerators(load_in_4bit, attn_implementation)
@@ -191,6 +194,9 @@ def load_policy(
             bnb_4bit_compute_dtype=torch_dtype,
         )
         kwargs["device_map"] = {"": torch.cuda.current_device()}
+    elif device is not None and device.type == "cuda":
+        kwargs["device_map"] = {"": torch.cuda.current_device() if device.index is None
+                                else device.index}
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as err:

@@ -107,8 +107,10 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
     return run_dir
 
 
-def _load_policy(config: RunConfig, base: Path | None) -> tuple[torch.nn.Module, Any]:
-    """The policy (LoRA attached when enabled) and tokenizer, from `base` or the config's model."""
+def _load_policy(config: RunConfig, base: Path | None,
+                 device: torch.device | None = None) -> tuple[torch.nn.Module, Any]:
+    """The policy (LoRA attached when enabled) and tokenizer, from `base` or the config's model
+    (loaded onto `device` where that is a GPU)."""
     mc, lc = config.model, config.lora
     return load_policy(
         str(base) if base else mc.name_or_path, dtype=mc.dtype, gradient_checkpointing=mc.gradient_checkpointing,
@@ -117,6 +119,7 @@ def _load_policy(config: RunConfig, base: Path | None) -> tuple[torch.nn.Module,
         load_in_4bit=mc.load_in_4bit,
         tokenizer_name_or_path=None if base else mc.tokenizer,
         disable_dropout=mc.disable_dropout,
+        device=device,
     )
 
 
@@ -125,9 +128,9 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
     settle how to sample from them."""
     device = resolve_device(config.device)
     mc = config.model
-    policy, tokenizer = _load_policy(config, base)
+    policy, tokenizer = _load_policy(config, base, device)
     if not mc.load_in_4bit:
-        policy.to(device)
+        policy.to(device)  # on a GPU already there (`load_policy`)
     trainable, total = trainable_parameters(policy)
     log.debug("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
     ro = config.rollout
