@@ -84,12 +84,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     from mogrpo.modeling.load import load_policy, resolve_model_dir
 
-    model, tokenizer = load_policy(resolve_model_dir(args.model), dtype=args.dtype)
+    gpu = torch.device("cuda") if torch.cuda.is_available() else None  # weights load onto it
+    model, tokenizer = load_policy(resolve_model_dir(args.model), dtype=args.dtype, device=gpu)
     if settings.max_prompt_length is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096
         settings.max_prompt_length = max(1, context - settings.max_new_tokens)
-    if torch.cuda.is_available():
-        model = model.to("cuda")
     from mogrpo.train.host_memory import apply_host_memory
 
     # on a CPU, batch after batch reuses the memory the last one freed (as training steps do)

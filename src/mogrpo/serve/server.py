@@ -239,9 +239,8 @@ def start_server(
             f"serve: port {port}, max_batch {max_batch}, max_new_tokens {max_new_tokens}: need "
             "0 <= port <= 65535, max_batch >= 1 and max_new_tokens >= 1")
     directory = resolve_model_dir(model_path)
-    model, tokenizer = load_policy(directory, dtype=dtype)
-    if torch.cuda.is_available():
-        model = model.to("cuda")
+    gpu = torch.device("cuda") if torch.cuda.is_available() else None  # weights load onto it
+    model, tokenizer = load_policy(directory, dtype=dtype, device=gpu)
     # on a CPU, request after request reuses the memory the last one freed (as training steps do)
     apply_host_memory("auto", next(model.parameters()).device.type)
     name = model_name or Path(directory.rstrip("/")).name or directory
