@@ -29,8 +29,14 @@ left() { echo $(( budget - (SECONDS - start) )); }
 nvidia-smi -L || { echo "gpu_check: no NVIDIA GPU visible" >&2; exit 1; }
 "$py" - <<'EOF' || exit 1
 import importlib
-for name in ("torch", "transformers", "peft", "trl", "datasets", "mogrpo"):
-    module = importlib.import_module(name)
+for name in ("torch", "transformers", "peft", "datasets", "mogrpo", "trl"):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        if name != "trl":
+            raise SystemExit(f"gpu_check: {name} is missing ({err}); install mogrpo's requirements")
+        print("trl missing: the vs_trl step is skipped (pip install 'mogrpo[bench]')")
+        continue
     print(name, getattr(module, "__version__", "?"))
 import torch
 assert torch.cuda.is_available(), "torch sees no CUDA GPU"
@@ -62,5 +68,6 @@ profile_rollouts() {  # each run's timing line; its profile and log stay in /tmp
 export -f profile_rollouts
 export py
 step rollouts 150 bash -c profile_rollouts
+"$py" -c "import trl" 2>/dev/null || exit 0
 step vs_trl "$(left)" "$py" benchmarks/vs_trl/run.py --device cuda --sizes xl small \
     --modes full lora --repeats 2 --steps 8 --work /tmp/mogrpo-vs-trl --out "$out/vs_trl_gpu"
