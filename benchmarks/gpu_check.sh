@@ -9,7 +9,7 @@
 # 3. decode_speed.py --device cuda: tokens/s of native against generate() at 128 rows;
 # 4. rollout_profile.py --train: the rollouts inside `mogrpo train` (the smoke test's bf16 model)
 #    timed and profiled, native without and with cuDNN's attention kernel, and generate();
-#    their timings go to the log, their profiles to /tmp/mogrpo-rollout-profile;
+#    their timings go to the log, their profiles to a scratch folder;
 # 5. vs_trl/run.py --device cuda: mogrpo against TRL's GRPOTrainer on the GPU (both fp32,
 #    neither with vLLM; the 0.21 B size first), with whatever is left of SECONDS (default 480).
 #
@@ -23,6 +23,8 @@ out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [SECONDS]}
 budget=${2:-480}
 mkdir -p "$out"
 py=$(command -v python || command -v python3)
+work=$(mktemp -d)  # models, runs and profiles: scratch, not results
+export work
 start=$SECONDS
 left() { echo $(( budget - (SECONDS - start) )); }
 
@@ -52,11 +54,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, report how it ended
 
 step equivalence 90 "$py" benchmarks/gpu_equivalence.py --out "$out/gpu_equivalence"
 step smoke 120 "$py" benchmarks/gpu_smoke.py --engines native hf --steps 6 \
-    --work /tmp/mogrpo-gpu-smoke --out "$out/gpu_smoke.json"
+    --work "$work/gpu-smoke" --out "$out/gpu_smoke.json"
 step decode 120 "$py" benchmarks/decode_speed.py --device cuda --sizes small large xl \
     --prompts 16 --k 8 --repeats 3 --out "$out/decode_speed_gpu"
-profile_rollouts() {  # each run's timing line; its profile and log stay in /tmp
-    local dir=/tmp/mogrpo-rollout-profile args name
+profile_rollouts() {  # each run's timing line; its profile and log stay in the scratch folder
+    local dir=$work/rollout-profile args name
     for args in "--train native" "--train native --allow-cudnn" "--train hf"; do
         name=${args//[ -]/}
         mkdir -p "$dir/$name"
@@ -70,4 +72,4 @@ export py
 step rollouts 150 bash -c profile_rollouts
 "$py" -c "import trl" 2>/dev/null || exit 0
 step vs_trl "$(left)" "$py" benchmarks/vs_trl/run.py --device cuda --sizes xl small \
-    --modes full lora --repeats 2 --steps 8 --work /tmp/mogrpo-vs-trl --out "$out/vs_trl_gpu"
+    --modes full lora --repeats 2 --steps 8 --work "$work/vs-trl" --out "$out/vs_trl_gpu"
