@@ -59,12 +59,12 @@ def main() -> None:
     if args.allow_cudnn:
         from contextlib import nullcontext
 
-        from mogrpo.rollout import generate, native
+        from mogrpo.rollout import generate
 
-        native.decode_attention = generate.decode_attention = lambda device: nullcontext()
+        generate.decode_attention = lambda device: nullcontext()
     torch.set_num_threads(args.threads)
     if args.train:
-        return profile_training(args.train, args.out)
+        return profile_training(args.train, args.out, args.allow_cudnn)
     texts = tokenizer_corpus(demo_base(), 0)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp) / "m", texts, seed=0, **QWEN2_SMALL)
@@ -121,13 +121,7 @@ def main() -> None:
     print(table[:6000])
 
 
-def native_attention_patched() -> bool:
-    from mogrpo.rollout import native
-
-    return native.decode_attention.__name__ == "<lambda>"
-
-
-def profile_training(engine: str, out: Path) -> None:
+def profile_training(engine: str, out: Path, allow_cudnn: bool) -> None:
     """`mogrpo train` on gpu_smoke.py's config with `engine`, its rollouts profiled."""
     import yaml
     from gpu_smoke import QWEN2_SMALL, run_config
@@ -169,7 +163,7 @@ def profile_training(engine: str, out: Path) -> None:
     stats = pstats.Stats(profiler, stream=stream)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)
-    allowed = " (cuDNN attention allowed)" if native_attention_patched() else ""
+    allowed = " (cuDNN attention allowed)" if allow_cudnn else ""
     head = (f"{engine}{allowed}: {len(seconds)} profiled rollouts, "
             f"{', '.join(f'{s * 1000:.0f}' for s in seconds)} ms")
     (out / f"train_rollout_profile_{engine}.txt").write_text(head + "\n" + stream.getvalue(),

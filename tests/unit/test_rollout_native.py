@@ -564,10 +564,8 @@ def test_a_decode_on_cuda_keeps_sdpa_off_cudnn(engine, tok, monkeypatch):
     on_cpu = rollout(model, tok, engine, greedy=True, max_new_tokens=6)
     assert seen and all(seen)
     seen.clear()
-    decode_attention = native.decode_attention
-    as_cuda = lambda device: decode_attention(torch.device("cuda"))  # noqa: E731
-    monkeypatch.setattr(native, "decode_attention", as_cuda)
-    monkeypatch.setattr(generate_module, "decode_attention", as_cuda)
+    monkeypatch.setattr(generate_module, "decode_attention",
+                        lambda device: native.decode_attention(torch.device("cuda")))
     as_on_cuda = rollout(model, tok, engine, greedy=True, max_new_tokens=6)
     assert seen and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()

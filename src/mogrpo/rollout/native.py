@@ -393,22 +393,25 @@ class NativeDecoder:
             layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
         return layers
 
-    def keep(self, rows: Tensor, ascending: list[int] | None = None) -> None:
-        """Keep the rows `rows` of the cache, in that order (finished completions leave; after
-        a prefill of distinct prompts, each row gets its prompt's). Only the columns written
-        so far are copied: a decode step writes its column before any query reads it.
+    def keep(self, rows: Tensor) -> None:
+        """Keep the rows `rows` of the cache, in that order (after a prefill of distinct
+        prompts, each row gets its prompt's). Only the columns written so far are copied: a
+        decode step writes its column before any query reads it."""
+        self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
+        self.values = [_rows_of(v, rows, self.length) for v in self.values]
+        self._keep_row_state(rows)
 
-        `ascending`: `rows` as a list, when they rise strictly (finished rows leaving). The
-        cache's rows then move up in place (`_shift_rows`): only those after the first
-        finished row, and no new cache is allocated."""
-        if ascending is None:
-            self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
-            self.values = [_rows_of(v, rows, self.length) for v in self.values]
-        else:
-            moves = _row_moves(ascending)
-            self.keys = [_shift_rows(k, moves, len(ascending), self.length) for k in self.keys]
-            self.values = [_shift_rows(v, moves, len(ascending), self.length)
-                           for v in self.values]
+    def keep_unfinished(self, rows: Tensor) -> None:
+        """`keep` for rows that rise strictly (the unfinished ones, when others finish): the
+        cache's rows move up in place (`_shift_rows`), only those after the first finished
+        row, and no new cache is allocated."""
+        moves = _row_moves(rows.tolist())
+        self.keys = [_shift_rows(k, moves, len(rows), self.length) for k in self.keys]
+        self.values = [_shift_rows(v, moves, len(rows), self.length) for v in self.values]
+        self._keep_row_state(rows)
+
+    def _keep_row_state(self, rows: Tensor) -> None:
+        """The per-row state beside the cache, for `keep` and `keep_unfinished`."""
         self.valid = self.valid[rows]
         self.bias = self.bias[rows]
         self.positions = self.positions[rows]
@@ -815,7 +818,7 @@ def decode_attention(device: torch.device) -> AbstractContextManager:
     model, that was 2.68 s of a profiled 3.0 s in four rollouts: 10 ms an attention call, the
     native rollout 3.5x slower than generate()'s. With fixed shapes (the plans built) the same
     decode took 48 ms against generate()'s 86. generate() meets new shapes too (0.68 s of its
-    1.17 s there), so both engines decode under this."""
+    1.17 s there), so `generate_rollout` runs both engines' decodes under this."""
     if device.type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -841,7 +844,7 @@ def native_decode(
     The loop runs in inference mode (no autograd bookkeeping at all: ~10 % of a small model's
     decode, whose operations are tiny); its results are returned as ordinary tensors, which
     the training forward can use (inference tensors cannot be saved for a backward)."""
-    with torch.inference_mode(), decode_attention(prompt_ids.device):
+    with torch.inference_mode():
         out = _decode(NativeDecoder(model, projections), prompt_ids, prompt_mask, settings,
                       stop_ids=stop_ids, pad_id=pad_id, record_logprobs=record_logprobs)
     return Decoded(out.tokens.clone(), out.nonfinite_logits,
@@ -880,7 +883,7 @@ def _decode(decoder: NativeDecoder, prompt_ids: Tensor, prompt_mask: Tensor, set
             if rows.numel() == 0:
                 break
             live, chosen = live[rows], chosen[rows]
-            decoder.keep(rows, ascending=rows.tolist())
+            decoder.keep_unfinished(rows)
             rules.keep(rows)
         logits = decoder.step(chosen)
     return Decoded(tokens[:, :steps], rules.guard.replaced,
