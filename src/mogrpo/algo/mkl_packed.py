@@ -81,6 +81,15 @@ def cblas() -> SimpleNamespace | None:
     return SimpleNamespace(get_size=get_size, pack=pack, compute=compute)
 
 
+def compute_address() -> int:
+    """The address of MKL's `cblas_sgemm_compute`, for compiled code that calls it directly
+    (`mogrpo.rollout.cpu_kernel`)."""
+    functions = cblas()
+    if functions is None:
+        raise RuntimeError("this PyTorch build exports no MKL packed product")
+    return ctypes.cast(functions.compute, ctypes.c_void_p).value
+
+
 class _Mapping:
     """A kept buffer: an anonymous private mapping of `nbytes` (its own: a heap block would be
     reused by other tensors when the pool lets it go)."""

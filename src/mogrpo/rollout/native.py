@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mogrpo.algo import mkl_packed
 from mogrpo.algo.cpu_linear import (
     decode_add_product,
     decode_linear,
@@ -61,6 +62,7 @@ from mogrpo.algo.logprobs import (
 )
 from mogrpo.algo.mkl_packed import KEEP_MAX_BYTES, Packed
 from mogrpo.modeling.dropout import active_dropout
+from mogrpo.rollout import cpu_kernel
 from mogrpo.rollout.sampling import SamplingRules
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
@@ -258,6 +260,8 @@ class NativeDecoder:
                                        padding_idx=embed.padding_idx) \
             if type(embed) is nn.Embedding and embed.max_norm is None else embed
         self.step_layers: list[tuple] | None = None  # see _step_layers
+        self.compiled = None  # cpu_kernel's step of these layers, where it runs them
+        self.compiled_head = False  # whether that step also computes the logits
         self.half_cos = self.half_sin = torch.empty(0)  # [T_max, 2, D/2]: see prefill
         self.freqs = torch.empty(0)  # [T_max, D/2] complex cos + i sin: see prefill
         self.keys: list[Tensor] = []  # per layer [B, H_kv, T_max, D]
@@ -354,11 +358,17 @@ class NativeDecoder:
         B, column = len(tokens), self.length
         S = column + 1
         x = self.embed(tokens)  # [B, H]
+        if self.step_layers is None:
+            self.compiled, self.compiled_head = _compiled_stack(self, B)
+            self.step_layers = self._step_layers(B)
+        if self.compiled is not None:  # the same layers in one call (cpu_kernel)
+            turn = torch.view_as_real(self.turns[column - self.prompt_columns])  # [B, D/2, 2]
+            out = self.compiled.step(x, turn, self.bias, self.keys, self.values, column)
+            self.length = S
+            return out if self.compiled_head else self._logits(out)
         turns = self.turns[column - self.prompt_columns, :, None]  # [B, 1, D/2]
         D = self.attention[0].head_dim
         bias = self._step_bias(S)
-        if self.step_layers is None:
-            self.step_layers = self._step_layers(B)
         for i, (norm1, norm2, project_qkv, add_out, project_up, add_down, act, heads, kv_heads,
                 scaling) in enumerate(self.step_layers):
             qkv = project_qkv(norm1(x))  # [B, (H + 2 H_kv) D]
@@ -494,6 +504,52 @@ class NativeDecoder:
 
 
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, bool]:
+    """(`cpu_kernel`'s compiled step of the decoder's layers for at most `rows` rows, whether
+    it computes the logits too), or (None, False) where it cannot run the layers: no compiled
+    module here, or a layer whose products are not MKL packed weights, whose norms are not
+    RMSNorms or whose activation is not SiLU. The logits too where the final norm is an RMSNorm
+    and the head a packed weight (`_head_weight`)."""
+    kernel = cpu_kernel.module()
+    if kernel is None or decoder.plain is None:
+        return None, False
+    head_dim = decoder.attention[0].head_dim
+    if any(a.head_dim != head_dim or a.heads % a.kv_heads for a in decoder.attention):
+        return None, False
+    stack = None
+    for p, a in zip(decoder.plain, decoder.attention, strict=True):
+        products = (p.qkv, p.out, p.gate_up, p.down)
+        if p.norms is None or not _silu(p.act) or \
+                not all(isinstance(w, Packed) for w, _ in products):
+            return None, False
+        if stack is None:
+            stack = kernel.Stack(mkl_packed.compute_address(), rows, p.qkv[0].shape[1], head_dim)
+        (first, eps1), (second, eps2) = p.norms
+        (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
+        stack.add_layer(first.detach(), eps1, second.detach(), eps2,
+                        qkv.address, qkv.shape[0], _detached(qkv_b), out.address,
+                        _detached(out_b), gate_up.address, gate_up.shape[0],
+                        _detached(gate_up_b), down.address, down.shape[1], _detached(down_b),
+                        a.heads, a.kv_heads, a.scaling)
+    head = decoder.head_weight
+    if decoder.final_norm is None or not isinstance(head, Packed):
+        return stack, False
+    weight, eps = decoder.final_norm
+    stack.set_head(weight.detach(), eps, head.address, head.shape[0],
+                   _detached(decoder.head.bias))
+    return stack, True
+
+
+def _silu(act: Callable) -> bool:
+    """Whether a layer's activation is SiLU (torch's module or function, transformers')."""
+    return act is F.silu or type(act) is nn.SiLU or (
+        type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers"))
+
+
+def _detached(bias: Tensor | None) -> Tensor | None:
+    return None if bias is None else bias.detach()
 
 
 def _layout_of(lm: nn.Module) -> tuple[list[_Attention], bool]:

@@ -1,0 +1,108 @@
+"""The native engine's decode step compiled for CPUs (`decode_step.cpp`): every decoder layer
+of a step in one call, where the Python step (`NativeDecoder._step_pairs`) launches ~25 small
+operations a layer.
+
+On a CPU a decode step of a small model is mostly launch cost: at the vs_trl benchmark's
+0.7 M-parameter model the layers' operations other than the four products took 0.73 ms of a
+1.20 ms step, and 6.5 of 31 ms at 32 M (`benchmarks/decode_breakdown.py`). The compiled step
+runs them as plain loops over buffers it holds for the whole decode, around the same packed
+MKL products. Its sums (norms, attention scores, softmax) run in another order than PyTorch's
+kernels: results agree to float32 rounding, not to the bit.
+
+Built with PyTorch's extension builder on first use (~40 s, with a C++ compiler; the build is
+cached per machine and source) and used where the Python step would run on MKL's packed
+products (`decode_on_mkl`) with SiLU MLPs and RMSNorms. Without a compiler, or with
+MOGRPO_DECODE_KERNEL=0, the Python step runs (one log line says why).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_step.cpp")
+ENV = "MOGRPO_DECODE_KERNEL"  # "0", "off", "false" or "no": never build or use it
+STALE_LOCK_SECONDS = 600  # a build takes well under this; an older lock is a killed build's
+
+# compiler flags per the vector instructions torch found on this CPU
+_FLAGS = {
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512dq", "-mavx512bw"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def disabled() -> bool:
+    """Whether MOGRPO_DECODE_KERNEL switches the compiled step off."""
+    return os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def cache_directory() -> Path:
+    """Where the builds are kept: $MOGRPO_KERNEL_CACHE, else mogrpo/kernels under the user's
+    cache directory ($XDG_CACHE_HOME or ~/.cache), one folder per Python and torch version."""
+    root = os.environ.get("MOGRPO_KERNEL_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mogrpo" / "kernels"
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path(root) / version
+
+
+def build_name() -> str:
+    """The extension's name: it carries the source's digest and the CPU's instruction set, so a
+    build of another version or for another CPU is never loaded."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"mogrpo_decode_step_{torch.backends.cpu.get_cpu_capability().lower()}_{digest}"
+
+
+@functools.cache
+def module():
+    """The compiled extension, built on first call, or None where it cannot be used here (see
+    the module docstring): switched off, no MKL packed products, or the build failed (one
+    warning with the reason)."""
+    from mogrpo.algo.cpu_linear import decode_on_mkl
+
+    if disabled() or not decode_on_mkl():
+        return None
+    name = build_name()
+    directory = cache_directory() / name
+    built, lock = directory / f"{name}.so", directory / "lock"
+    try:
+        if built.exists() and not lock.exists():  # built: imported without the builder's lock
+            return _import(name, built)
+        return _build(name, directory)
+    except Exception as error:  # no compiler, no headers, a failed build: the Python step runs
+        reason = str(error).strip().splitlines()
+        logger.warning("native decode: the compiled CPU step is not available (%s); the Python "
+                       "step runs instead (%s=0 skips the attempt)",
+                       reason[-1] if reason else type(error).__name__, ENV)
+        return None
+
+
+def _import(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def _build(name: str, directory: Path):
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"  # the builder's; one left by a killed build would stall it
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        lock.unlink(missing_ok=True)
+    capability = torch.backends.cpu.get_cpu_capability()
+    logger.info("building the native engine's compiled CPU decode step (once per machine and "
+                "mogrpo version, ~30 s)")
+    return load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                extra_cflags=["-O3", "-fopenmp-simd", *_FLAGS.get(capability, [])],
+                verbose=False)

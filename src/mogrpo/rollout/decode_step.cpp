@@ -1,0 +1,302 @@
+// The decoder layers of one native decode step on a CPU, in one call (see cpu_kernel.py).
+//
+// A decode step of a small model is mostly the cost of launching its ~25 small operations a
+// layer (norms, rotation, cache writes, attention, activation, residual sums), each a few
+// microseconds of dispatch, allocation and iterator set-up around arithmetic that takes less.
+// Here each layer is plain loops over buffers held for the whole decode, around MKL's packed
+// products (the same `cblas_sgemm_compute` calls, found by the Python side and passed in as an
+// address) and ATen's vectorised SiLU.
+//
+// The arithmetic is the Python step's (`NativeDecoder._step_pairs`), in another summation order
+// where it sums (norms, attention): results agree to float32 rounding, not to the bit.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+namespace {
+
+// cblas_sgemm_compute(layout, transa, transb, m, n, k, a, lda, b, ldb, beta, c, ldc)
+using Compute = void (*)(int, int, int, int, int, int, const float*, int, const void*, int,
+                         float, float*, int);
+constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
+
+struct Product {
+  const void* packed;  // MKL's packed weight [out, in], owned by the Python side
+  int out, in;
+  at::Tensor bias;  // [out], or undefined
+};
+
+struct Layer {
+  at::Tensor norm1, norm2;  // RMSNorm weights [hidden]
+  float eps1, eps2;
+  Product qkv, o, gate_up, down;
+  int heads, kv_heads;
+  float scaling;
+};
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row ([rows, n])
+void rms_norm(const float* x, const float* weight, float eps, int rows, int n, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + static_cast<int64_t>(r) * n;
+    float* o = out + static_cast<int64_t>(r) * n;
+    const float inverse = 1.f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
+#pragma omp simd
+    for (int i = 0; i < n; ++i) o[i] = xr[i] * inverse * weight[i];
+  }
+}
+
+class Stack {
+ public:
+  Stack(int64_t compute, int64_t max_rows, int64_t hidden, int64_t head_dim)
+      : compute_(reinterpret_cast<Compute>(compute)),
+        max_rows_(static_cast<int>(max_rows)),
+        hidden_(static_cast<int>(hidden)),
+        head_dim_(static_cast<int>(head_dim)) {
+    if (head_dim % 2) throw std::invalid_argument("the head dimension must be even");
+  }
+
+  void add_layer(at::Tensor norm1, double eps1, at::Tensor norm2, double eps2,
+                 int64_t qkv, int64_t qkv_out, std::optional<at::Tensor> qkv_bias,
+                 int64_t o, std::optional<at::Tensor> o_bias,
+                 int64_t gate_up, int64_t gate_up_out, std::optional<at::Tensor> gate_up_bias,
+                 int64_t down, int64_t intermediate, std::optional<at::Tensor> down_bias,
+                 int64_t heads, int64_t kv_heads, double scaling) {
+    const int D = head_dim_, H = hidden_;
+    if (heads % kv_heads || qkv_out != (heads + 2 * kv_heads) * D ||
+        gate_up_out != 2 * intermediate)
+      throw std::invalid_argument("inconsistent layer shapes");
+    Layer layer{norm1.contiguous(), norm2.contiguous(), static_cast<float>(eps1),
+                static_cast<float>(eps2),
+                {reinterpret_cast<const void*>(qkv), static_cast<int>(qkv_out), H,
+                 bias_of(qkv_bias, qkv_out)},
+                {reinterpret_cast<const void*>(o), H, static_cast<int>(heads * D),
+                 bias_of(o_bias, H)},
+                {reinterpret_cast<const void*>(gate_up), static_cast<int>(gate_up_out), H,
+                 bias_of(gate_up_bias, gate_up_out)},
+                {reinterpret_cast<const void*>(down), H, static_cast<int>(intermediate),
+                 bias_of(down_bias, H)},
+                static_cast<int>(heads), static_cast<int>(kv_heads),
+                static_cast<float>(scaling)};
+    layers_.push_back(std::move(layer));
+    widest_ = std::max({widest_, static_cast<int>(qkv_out), static_cast<int>(gate_up_out),
+                        static_cast<int>(heads * D), H});
+    q_width_ = std::max(q_width_, static_cast<int>(heads * D));
+  }
+
+  // The final norm and output head: `step` then returns the next-token logits [B, vocab].
+  void set_head(at::Tensor norm, double eps, int64_t head, int64_t vocab,
+                std::optional<at::Tensor> bias) {
+    final_norm_ = norm.contiguous();
+    final_eps_ = static_cast<float>(eps);
+    head_ = {reinterpret_cast<const void*>(head), static_cast<int>(vocab), hidden_,
+             bias_of(bias, vocab)};
+  }
+
+  // x [B, hidden] (written in place) through every layer, at cache column `column`, then the
+  // head where `set_head` gave one (logits returned; else x): turns [B, D/2, 2] (the new token's rotation, cos and sin per pair), bias
+  // [B, H_kv, >= column + 1] (0 where a key may be attended, -inf elsewhere), keys and values
+  // per layer [B, H_kv, T, D] with the head dimension contiguous.
+  at::Tensor step(at::Tensor x, const at::Tensor& turns, const at::Tensor& bias,
+                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                  int64_t column) {
+    const int B = static_cast<int>(x.size(0)), H = hidden_, D = head_dim_;
+    const int S = static_cast<int>(column) + 1;
+    check(x, turns, bias, keys, values, B, S);
+    allocate(B, S);
+    float* xp = x.data_ptr<float>();
+    float* h = norm_.data_ptr<float>();
+    float* wide = wide_.data_ptr<float>();
+    float* q = q_.data_ptr<float>();
+    float* att = attended_.data_ptr<float>();
+    float* scores = scores_.data_ptr<float>();
+    const float* tp = turns.data_ptr<float>();
+    const float* bp = bias.data_ptr<float>();
+    const int64_t b0 = bias.stride(0), b1 = bias.stride(1), b2 = bias.stride(2);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      const int heads = L.heads, kv = L.kv_heads, G = heads / kv, turned = heads + kv;
+      rms_norm(xp, L.norm1.data_ptr<float>(), L.eps1, B, H, h);
+      product(L.qkv, h, H, B, wide);
+      // q and k turned by the token's rotation (pairs side by side), k and v into the cache
+      float* kp = keys[i].data_ptr<float>();
+      float* vp = values[i].data_ptr<float>();
+      const int64_t k0 = keys[i].stride(0), k1 = keys[i].stride(1), k2 = keys[i].stride(2);
+      const int64_t v0 = values[i].stride(0), v1 = values[i].stride(1), v2 = values[i].stride(2);
+      for (int b = 0; b < B; ++b) {
+        const float* row = wide + static_cast<int64_t>(b) * L.qkv.out;
+        const float* turn = tp + static_cast<int64_t>(b) * D;
+        for (int hd = 0; hd < turned; ++hd) {
+          const float* src = row + hd * D;
+          float* dst = hd < heads ? q + (static_cast<int64_t>(b) * heads + hd) * D
+                                  : kp + b * k0 + (hd - heads) * k1 + column * k2;
+#pragma omp simd
+          for (int p = 0; p < D / 2; ++p) {
+            const float re = src[2 * p], im = src[2 * p + 1];
+            const float c = turn[2 * p], s = turn[2 * p + 1];
+            dst[2 * p] = re * c - im * s;
+            dst[2 * p + 1] = re * s + im * c;
+          }
+        }
+        for (int g = 0; g < kv; ++g)
+          std::copy_n(row + (turned + g) * D, D, vp + b * v0 + g * v1 + column * v2);
+      }
+      // one query per head over the S columns of its key head
+      for (int b = 0; b < B; ++b) {
+        for (int g = 0; g < kv; ++g) {
+          const float* K = kp + b * k0 + g * k1;
+          const float* V = vp + b * v0 + g * v1;
+          const float* add = bp + b * b0 + g * b1;
+          for (int j = 0; j < G; ++j) {
+            const int head = g * G + j;
+            const float* qh = q + (static_cast<int64_t>(b) * heads + head) * D;
+            float top = -INFINITY;
+            for (int s = 0; s < S; ++s) {
+              scores[s] = dot(qh, K + s * k2, D) * L.scaling + add[s * b2];
+              top = std::max(top, scores[s]);
+            }
+            float total = 0.f;
+            for (int s = 0; s < S; ++s) {
+              scores[s] = std::exp(scores[s] - top);
+              total += scores[s];
+            }
+            float* out = att + (static_cast<int64_t>(b) * heads + head) * D;
+            std::fill_n(out, D, 0.f);
+            for (int s = 0; s < S; ++s) {
+              const float p = scores[s] / total;
+              const float* vs = V + s * v2;
+#pragma omp simd
+              for (int d = 0; d < D; ++d) out[d] += p * vs[d];
+            }
+          }
+        }
+      }
+      add_product(L.o, att, heads * D, B, xp);
+      rms_norm(xp, L.norm2.data_ptr<float>(), L.eps2, B, H, h);
+      product(L.gate_up, h, H, B, wide);
+      // silu(gate) * up, written over the gate half (the down product reads it with stride)
+      const int I = L.down.in;
+      at::Tensor gate = wide_.narrow(0, 0, B).narrow(1, 0, L.gate_up.out).narrow(1, 0, I);
+      at::silu_(gate);
+      for (int b = 0; b < B; ++b) {
+        float* gr = wide + static_cast<int64_t>(b) * L.gate_up.out;
+        const float* up = gr + I;
+#pragma omp simd
+        for (int k = 0; k < I; ++k) gr[k] *= up[k];
+      }
+      add_product(L.down, wide, L.gate_up.out, B, xp);
+    }
+    if (!final_norm_.defined()) return x;
+    rms_norm(xp, final_norm_.data_ptr<float>(), final_eps_, B, H, h);
+    at::Tensor logits = at::empty({B, head_.out}, x.options());
+    product(head_, h, H, B, logits.data_ptr<float>());
+    return logits;
+  }
+
+ private:
+  static at::Tensor bias_of(const std::optional<at::Tensor>& bias, int64_t size) {
+    if (!bias.has_value()) return at::Tensor();
+    at::Tensor b = bias->contiguous();
+    if (b.numel() != size || b.scalar_type() != at::kFloat)
+      throw std::invalid_argument("a bias does not match its product");
+    return b;
+  }
+
+  void check(const at::Tensor& x, const at::Tensor& turns, const at::Tensor& bias,
+             const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, int B,
+             int S) const {
+    if (x.dim() != 2 || x.size(1) != hidden_ || !x.is_contiguous() ||
+        x.scalar_type() != at::kFloat || B > max_rows_)
+      throw std::invalid_argument("x must be contiguous float32 [rows <= max_rows, hidden]");
+    if (turns.numel() != static_cast<int64_t>(B) * head_dim_ || !turns.is_contiguous() ||
+        turns.scalar_type() != at::kFloat)
+      throw std::invalid_argument("turns must be contiguous float32 [rows, D/2, 2]");
+    if (bias.dim() != 3 || bias.size(0) != B || bias.size(2) < S ||
+        bias.scalar_type() != at::kFloat)
+      throw std::invalid_argument("bias must be float32 [rows, kv heads, >= column + 1]");
+    if (keys.size() != layers_.size() || values.size() != layers_.size())
+      throw std::invalid_argument("one key and one value cache per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      for (const at::Tensor* c : {&keys[i], &values[i]}) {
+        if (c->dim() != 4 || c->size(0) != B || c->size(1) != layers_[i].kv_heads ||
+            c->size(2) < S || c->size(3) != head_dim_ || c->stride(3) != 1 ||
+            c->scalar_type() != at::kFloat)
+          throw std::invalid_argument("caches must be float32 [rows, kv heads, >= column + 1, D]");
+      }
+      if (bias.size(1) != layers_[i].kv_heads)
+        throw std::invalid_argument("bias must be float32 [rows, kv heads, >= column + 1]");
+    }
+  }
+
+  void allocate(int B, int S) {
+    if (!norm_.defined()) {
+      const auto f = at::TensorOptions().dtype(at::kFloat);
+      norm_ = at::empty({max_rows_, hidden_}, f);
+      wide_ = at::empty({max_rows_, widest_}, f);
+      q_ = at::empty({max_rows_, q_width_}, f);
+      attended_ = at::empty({max_rows_, q_width_}, f);
+    }
+    if (!scores_.defined() || scores_.numel() < S)
+      scores_ = at::empty({std::max<int64_t>(S, 64) * 2}, at::TensorOptions().dtype(at::kFloat));
+  }
+
+  // out [B, p.out] = x [B, p.in] (rows `lda` apart) w^T + bias
+  void product(const Product& p, const float* x, int lda, int B, float* out) const {
+    float beta = 0.f;
+    if (p.bias.defined()) {
+      const float* bias = p.bias.data_ptr<float>();
+      for (int b = 0; b < B; ++b) std::copy_n(bias, p.out, out + static_cast<int64_t>(b) * p.out);
+      beta = 1.f;
+    }
+    compute_(kRowMajor, kNoTrans, kPacked, B, p.out, p.in, x, lda, p.packed, 0, beta, out, p.out);
+  }
+
+  // acc [B, p.out] += x w^T + bias
+  void add_product(const Product& p, const float* x, int lda, int B, float* acc) {
+    if (!p.bias.defined()) {
+      compute_(kRowMajor, kNoTrans, kPacked, B, p.out, p.in, x, lda, p.packed, 0, 1.f, acc,
+               p.out);
+      return;
+    }
+    if (!extra_.defined() || extra_.numel() < static_cast<int64_t>(B) * p.out)
+      extra_ = at::empty({static_cast<int64_t>(max_rows_) * p.out},
+                         at::TensorOptions().dtype(at::kFloat));
+    float* tmp = extra_.data_ptr<float>();
+    product(p, x, lda, B, tmp);
+    const int64_t n = static_cast<int64_t>(B) * p.out;
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) acc[k] += tmp[k];
+  }
+
+  at::Tensor final_norm_;
+  float final_eps_ = 0.f;
+  Product head_{};
+  Compute compute_;
+  int max_rows_, hidden_, head_dim_;
+  int widest_ = 0, q_width_ = 0;
+  std::vector<Layer> layers_;
+  at::Tensor norm_, wide_, q_, attended_, scores_, extra_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Stack>(m, "Stack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t>())
+      .def("add_layer", &Stack::add_layer)
+      .def("set_head", &Stack::set_head)
+      .def("step", &Stack::step);
+}

@@ -1,0 +1,245 @@
+"""The native engine's compiled CPU decode step (`mogrpo.rollout.cpu_kernel`): the same logits
+and caches as the Python step, step after step and as rows leave the batch; the families and
+layers it takes; and the Python step wherever it cannot be built or is switched off."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mogrpo.modeling.load import LoraSettings, apply_lora
+from mogrpo.modeling.tiny import random_family_model
+from mogrpo.rollout import cpu_kernel
+from mogrpo.rollout.generate import SamplingSettings, generate_rollout
+from mogrpo.rollout.native import NativeDecoder
+
+PROMPTS = ["the cat sat on", "答案 因为 the question", "a", "option A B because the context says"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_kernel.module()
+    if module is None:
+        pytest.skip("the compiled decode step is not available here (no MKL packed products "
+                    "or no C++ compiler)")
+    return module
+
+
+@pytest.fixture
+def python_step(monkeypatch):
+    """Decoders built inside take the Python step."""
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+
+
+def model_of(family: str, tok, seed: int = 0, **config):
+    model = random_family_model(family, len(tok), pad_token_id=tok.pad_token_id,
+                                eos_token_id=tok.eos_token_id, seed=seed)
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    return model
+
+
+def prompt_batch(tok, k: int = 2):
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    return (enc["input_ids"].repeat_interleave(k, 0), enc["attention_mask"].repeat_interleave(k, 0))
+
+
+def run_steps(model, tok, steps: int = 6, leave: dict[int, list[int]] | None = None):
+    """Prefill, then `steps` decode steps feeding each row's greedy token, keeping only the
+    listed rows after the steps named in `leave`; each step's logits and the final caches."""
+    ids, mask = prompt_batch(tok)
+    with torch.inference_mode():
+        decoder = NativeDecoder(model)
+        logits = decoder.prefill(ids, mask, steps + 1)
+        seen = []
+        for t in range(steps):
+            tokens = logits.argmax(-1)
+            if leave and t in leave:
+                rows = torch.tensor(leave[t])
+                decoder.keep_unfinished(rows)
+                tokens = tokens[rows]
+            logits = decoder.step(tokens)
+            seen.append(logits.clone())
+        columns = decoder.length
+        caches = [c[:, :, :columns].clone() for c in decoder.keys + decoder.values]
+    return decoder, seen, caches
+
+
+def assert_close_runs(compiled, python):
+    _, logits, caches = compiled
+    _, expected_logits, expected_caches = python
+    assert len(logits) == len(expected_logits)
+    for got, want in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(caches, expected_caches, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel,
+                                                                monkeypatch):
+    model = model_of(family, tok)
+    compiled = run_steps(model, tok, leave={2: [0, 2, 3, 5, 6, 7], 4: [1, 2, 5]})
+    assert compiled[0].compiled is not None and compiled[0].compiled_head
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    python = run_steps(model, tok, leave={2: [0, 2, 3, 5, 6, 7], 4: [1, 2, 5]})
+    assert python[0].compiled is None
+    assert_close_runs(compiled, python)
+    # the logits move from step to step: the comparison is not of constants
+    assert not torch.allclose(compiled[1][0][:3], compiled[1][1][:3])
+
+
+def test_compiled_step_takes_biases_on_every_product_and_an_untied_head(tok, kernel,
+                                                                       monkeypatch):
+    """Qwen2's q/k/v biases, and biases given to o_proj, down_proj and gate/up by hand (other
+    families have them), with a separate output head."""
+    model = model_of("qwen2", tok)
+    torch.manual_seed(3)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj, layer.mlp.gate_proj):
+            linear.bias = torch.nn.Parameter(torch.randn(linear.out_features) * 0.3)
+    head = model.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().clone() + 0.05)
+    head.bias = torch.nn.Parameter(torch.randn(head.out_features))
+    compiled = run_steps(model, tok)
+    assert compiled[0].compiled_head
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    assert_close_runs(compiled, run_steps(model, tok))
+
+
+def test_compiled_step_decodes_lora_with_the_adapters_merged(tok, kernel, monkeypatch):
+    model = apply_lora(model_of("llama", tok), LoraSettings(r=4, alpha=8, dropout=0.0))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)
+    compiled = run_steps(model, tok)
+    assert compiled[0].compiled is not None
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    assert_close_runs(compiled, run_steps(model, tok))
+
+
+def test_greedy_rollouts_of_both_steps_are_the_same(tok, kernel, monkeypatch):
+    model = model_of("qwen2", tok, seed=4)
+    settings = SamplingSettings(greedy=True, max_new_tokens=12)
+
+    def greedy():
+        return generate_rollout(model, tok, PROMPTS, settings, num_generations=2,
+                                max_prompt_length=32, engine="native", generator_seed=0,
+                                record_logprobs=True)
+
+    compiled = greedy()
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    python = greedy()
+    assert torch.equal(compiled.completion_ids, python.completion_ids)
+    torch.testing.assert_close(compiled.sampler_logp, python.sampler_logp,
+                               rtol=0, atol=1e-5)
+
+
+def test_layers_it_cannot_run_take_the_python_step(tok, kernel):
+    """A GELU MLP (Gemma) and Gemma's norms are not the compiled step's: the Python step runs."""
+    gemma = model_of("gemma", tok)
+    decoder, logits, _ = run_steps(gemma, tok, steps=2)
+    assert decoder.compiled is None and len(logits) == 2
+
+
+def test_the_stack_refuses_inputs_of_the_wrong_shape(tok, kernel):
+    model = model_of("llama", tok)
+    decoder, _, _ = run_steps(model, tok, steps=1)
+    stack, B = decoder.compiled, len(decoder.positions)
+    turn = torch.zeros(B, decoder.attention[0].head_dim // 2, 2)
+    with pytest.raises(ValueError, match="x must be contiguous float32"):
+        stack.step(torch.zeros(B, 3), turn, decoder.bias, decoder.keys, decoder.values, 1)
+    with pytest.raises(ValueError, match="one key and one value cache per layer"):
+        stack.step(torch.zeros(B, 64), turn, decoder.bias, decoder.keys[:1], decoder.values, 1)
+    with pytest.raises(ValueError, match="x must be"):  # more rows than it was built for
+        stack.step(torch.zeros(B + 1, 64), turn, decoder.bias, decoder.keys, decoder.values, 1)
+
+
+def test_switched_off_by_the_environment_variable(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV, "0")
+    monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("built while switched off"))
+    cpu_kernel.module.cache_clear()
+    try:
+        assert cpu_kernel.module() is None
+    finally:
+        cpu_kernel.module.cache_clear()
+
+
+def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_path, caplog):
+    from mogrpo.algo import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
+    monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_kernel.ENV, raising=False)
+
+    def no_compiler(name, directory):
+        raise RuntimeError("build failed\nerror: command 'c++' not found")
+
+    monkeypatch.setattr(cpu_kernel, "_build", no_compiler)
+    cpu_kernel.module.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mogrpo.rollout.cpu_kernel"):
+            assert cpu_kernel.module() is None
+            assert cpu_kernel.module() is None
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1
+        assert "error: command 'c++' not found" in lines[0] and "Python step" in lines[0]
+        assert f"{cpu_kernel.ENV}=0" in lines[0]
+        decoder, logits, _ = run_steps(model_of("llama", tok), tok, steps=2)
+        assert decoder.compiled is None and torch.isfinite(logits[-1]).all()
+    finally:
+        cpu_kernel.module.cache_clear()
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_waits_for_the_builder(monkeypatch,
+                                                                             tmp_path):
+    """A lock left by a build that was killed would stall every later start on the builder's
+    wait; a lock younger than a build is another process building: its build is waited for
+    (through the builder), never imported half-written."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from mogrpo.algo import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
+    monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_kernel.ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw) or "built")
+    directory = cpu_kernel.cache_directory() / cpu_kernel.build_name()
+    directory.mkdir(parents=True)
+    lock = directory / "lock"
+    lock.touch()
+    old = time.time() - cpu_kernel.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    (directory / f"{cpu_kernel.build_name()}.so").write_bytes(b"half written")
+    cpu_kernel.module.cache_clear()
+    try:
+        assert cpu_kernel.module() == "built"
+        assert not lock.exists() and calls[0]["build_directory"] == str(directory)
+        lock.touch()  # another process building now
+        cpu_kernel.module.cache_clear()
+        assert cpu_kernel.module() == "built" and lock.exists() and len(calls) == 2
+    finally:
+        cpu_kernel.module.cache_clear()
+
+
+def test_builds_are_kept_per_python_torch_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
+    directory = cpu_kernel.cache_directory()
+    assert directory.parent == tmp_path and torch.__version__ in directory.name
+    name = cpu_kernel.build_name()
+    assert torch.backends.cpu.get_cpu_capability().lower() in name
+    monkeypatch.setattr(cpu_kernel, "SOURCE", tmp_path / "other.cpp")
+    (tmp_path / "other.cpp").write_text("// another version\n")
+    assert cpu_kernel.build_name() != name
