@@ -9,6 +9,9 @@ every row decodes the full budget and the engines do the same number of tokens.
 (the update changes them between rollouts), and with the weights held between calls
 (`held_projections`, as `mogrpo predict`, the quick eval and `mogrpo serve` decode batch after
 batch with the same weights; on a copy of the model, so the first arm packs at every call).
+Where the native engine runs its compiled CPU decode step (`rollout/cpu_kernel.py`), a fourth
+arm runs the native engine with the Python step instead, packing per call: the compiled step's
+own speed-up.
 
     python benchmarks/decode_speed.py                     # all sizes, 5 repeats
     python benchmarks/decode_speed.py --sizes small --repeats 3
@@ -29,6 +32,7 @@ per-repeat ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from mogrpo.algo.cpu_linear import cpu_name
+from mogrpo.rollout import cpu_kernel
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.rollout.native import held_projections
 from mogrpo.train.host_memory import keep_freed_memory
@@ -52,6 +57,23 @@ RESULTS = HERE / "results"
 
 
 ARMS = ("hf", "native", "held")  # generate(); native packing per call; native, weights held
+# on a CPU where the native engine runs its compiled decode step: native packing per call, with
+# the step as PyTorch operations instead (MOGRPO_DECODE_KERNEL=0)
+PYTHON_ARM = "python-step"
+
+
+@contextlib.contextmanager
+def arm_context(arm: str):
+    """The Python decode step for PYTHON_ARM; nothing for the others."""
+    if arm != PYTHON_ARM:
+        yield
+        return
+    compiled = cpu_kernel.module
+    cpu_kernel.module = lambda: None
+    try:
+        yield
+    finally:
+        cpu_kernel.module = compiled
 
 
 def synchronize(device: str) -> None:
@@ -94,46 +116,57 @@ def main() -> None:
     # CPU; both engines run in this process under the same setting
     host_memory = "keep" if keep_freed_memory() is None else "C library defaults"
     rows = []
+    compiled = args.device == "cpu" and cpu_kernel.module() is not None
+    arms = (*ARMS, PYTHON_ARM) if compiled else ARMS
     for size, model, tok in workload.loaded_models(args.sizes):
         model.to(args.device)
         held_model = copy.deepcopy(model)  # its projections are held; `model`'s are not
         models = {"hf": (model, "hf"), "native": (model, "native"),
-                  "held": (held_model, "native")}
+                  "held": (held_model, "native"), PYTHON_ARM: (model, "native")}
         with held_projections(held_model):
-            for arm in ARMS:  # warm-up, not recorded
-                time_engine(*models[arm], tok, args)
-            runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
-            cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            for arm in arms:  # warm-up, not recorded
+                with arm_context(arm):
+                    time_engine(*models[arm], tok, args)
+            runs: dict[str, list[float]] = {arm: [] for arm in arms}
+            cpu: dict[str, list[float]] = {arm: [] for arm in arms}
             for i in range(args.repeats):
-                for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
-                    wall_rate, cpu_rate = time_engine(*models[arm], tok, args)
+                for arm in arms if i % 2 == 0 else arms[::-1]:
+                    with arm_context(arm):
+                        wall_rate, cpu_rate = time_engine(*models[arm], tok, args)
                     runs[arm].append(wall_rate)
                     cpu[arm].append(cpu_rate)
         del held_model
         row = {"size": size, "parameters": model.num_parameters(),
                "batch": args.prompts * args.k, "new_tokens": args.new_tokens}
+        pairs = [("native", "hf"), ("held", "hf")]
+        if compiled:  # the compiled step against the Python step, both packing per call
+            pairs.append(("native", PYTHON_ARM))
         for name, rates in (("", runs), ("cpu_", cpu)):
-            for arm in ARMS:
+            for arm in arms:
                 row[f"{arm}_tokens_per_{name or 'wall_'}s"] = statistics.median(rates[arm])
-            for arm in ("native", "held"):
-                ratios = [n / h for n, h in zip(rates[arm], rates["hf"], strict=True)]
-                row[f"{name}{arm}_ratio"] = statistics.median(ratios)
-                row[f"{name}{arm}_ratio_min"], row[f"{name}{arm}_ratio_max"] = \
-                    min(ratios), max(ratios)
+            for arm, base in pairs:
+                key = f"{name}{arm}_ratio" if base == "hf" else f"{name}compiled_step_ratio"
+                ratios = [n / h for n, h in zip(rates[arm], rates[base], strict=True)]
+                row[key] = statistics.median(ratios)
+                row[f"{key}_min"], row[f"{key}_max"] = min(ratios), max(ratios)
         row["runs"], row["cpu_runs"] = runs, cpu
         rows.append(row)
         print(f"{size}: CPU tok/s hf {row['hf_tokens_per_cpu_s']:.0f}, native "
               f"{row['native_tokens_per_cpu_s']:.0f} (x{row['cpu_native_ratio']:.2f}), held "
-              f"{row['held_tokens_per_cpu_s']:.0f} (x{row['cpu_held_ratio']:.2f})")
+              f"{row['held_tokens_per_cpu_s']:.0f} (x{row['cpu_held_ratio']:.2f})"
+              + (f", compiled / Python step x{row['cpu_compiled_step_ratio']:.2f}"
+                 if compiled else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
             "cpu": cpu_name(), "host_memory": host_memory, "device": args.device,
-            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "decode_step": "compiled" if compiled else "Python"}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| size | parameters | batch × tokens | generate() tok/s (CPU) | native tok/s (CPU), "
              "packing per call | native / generate by CPU time | native tok/s (CPU), weights "
              "held | held / generate by CPU time | by wall time: native / generate, held / "
-             "generate |", "|---|---|---|---|---|---|---|---|---|"]
+             "generate |" + (" compiled step / Python step by CPU time |" if compiled else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "")]
     for r in rows:
         lines.append(
             f"| {r['size']} | {r['parameters'] / 1e6:.2f} M | {r['batch']} × {r['new_tokens']} "
@@ -141,14 +174,19 @@ def main() -> None:
             f"**{r['cpu_native_ratio']:.2f}×** ({r['cpu_native_ratio_min']:.2f}–"
             f"{r['cpu_native_ratio_max']:.2f}) | {r['held_tokens_per_cpu_s']:.0f} | "
             f"**{r['cpu_held_ratio']:.2f}×** ({r['cpu_held_ratio_min']:.2f}–"
-            f"{r['cpu_held_ratio_max']:.2f}) | {r['native_ratio']:.2f}×, {r['held_ratio']:.2f}× |")
+            f"{r['cpu_held_ratio_max']:.2f}) | {r['native_ratio']:.2f}×, {r['held_ratio']:.2f}× |"
+            + (f" {r['cpu_compiled_step_ratio']:.2f}× ({r['cpu_compiled_step_ratio_min']:.2f}–"
+               f"{r['cpu_compiled_step_ratio_max']:.2f}) |" if compiled else ""))
     gpu = f"GPU: {meta['gpu']} (read the wall-time column); " if meta["gpu"] else ""
     lines.append(f"\n{gpu}CPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
-                 f"{args.repeats} repeats, the three arms alternated (order reversed every "
+                 f"{args.repeats} repeats, the {len(arms)} arms alternated (order reversed every "
                  f"repeat); host memory: {meta['host_memory']} (all arms, as `mogrpo train`, "
                  "`predict` and `serve` run on a CPU). Packing per call: as a training rollout "
                  "(the weights change between rollouts). Weights held: as `predict`, the quick "
-                 "eval and `serve` (`held_projections`).")
+                 "eval and `serve` (`held_projections`)." + (
+                     " Native decode step compiled (`rollout/cpu_kernel.py`); the Python step: "
+                     "the same engine with it off (MOGRPO_DECODE_KERNEL=0), packing per call."
+                     if compiled else " Native decode step: the Python step."))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

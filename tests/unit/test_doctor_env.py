@@ -57,6 +57,33 @@ def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, tr
         assert "decode on MKL on packed weights" in text
     else:
         assert "decode on oneDNN from 256 inputs and 2^17 weights, MKL below" in text
+        assert "CPU decode step: Python (the compiled step runs on MKL's packed products, " \
+            "not used on this CPU)" in text
+
+
+def test_the_report_says_which_decode_step_runs(no_gpu, monkeypatch, tmp_path):
+    from mogrpo.algo import cpu_linear
+    from mogrpo.rollout import cpu_kernel
+
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
+    monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert "CPU decode step: Python (no C++ compiler 'no-such-compiler' to build the compiled " \
+        "step: install g++ or set CXX)" in report(collect())
+    monkeypatch.setenv("CXX", "sh")  # any program found on PATH
+    assert "CPU decode step: compiled (built at the first CPU decode, ~30 s, once)" in \
+        report(collect())
+    built = cpu_kernel.cache_directory() / cpu_kernel.build_name()
+    built.mkdir(parents=True)
+    (built / f"{cpu_kernel.build_name()}.so").touch()
+    assert "CPU decode step: compiled (built for this mogrpo, torch and CPU)" in report(collect())
+    (built / cpu_kernel.FAILED).write_text("the build failed: decode_step.cpp:3: error: x\n")
+    assert "CPU decode step: Python (the build failed: decode_step.cpp:3: error: x; delete " \
+        f"{built} to build it again)" in report(collect())
+    monkeypatch.setenv("MOGRPO_DECODE_KERNEL", "0")
+    text = report(collect())
+    assert "CPU decode step: Python (MOGRPO_DECODE_KERNEL=0)" in text
+    assert "MOGRPO_DECODE_KERNEL=0" in text.split("environment")[-1]
 
 
 @pytest.fixture

@@ -117,6 +117,37 @@ def test_compiled_step_takes_biases_on_every_product_and_an_untied_head(tok, ker
     assert_close_runs(compiled, run_steps(model, tok))
 
 
+def test_attention_on_several_threads_runs_as_batched_products(tok, kernel, monkeypatch):
+    """From PARALLEL_ATTENTION multiply-adds (here every step's) with two torch threads."""
+    model = model_of("llama", tok)
+    monkeypatch.setattr(cpu_kernel, "PARALLEL_ATTENTION", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        compiled = run_steps(model, tok, leave={2: [0, 1, 4, 6, 7]})
+    finally:
+        torch.set_num_threads(threads)
+    assert compiled[0].compiled is not None
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    assert_close_runs(compiled, run_steps(model, tok, leave={2: [0, 1, 4, 6, 7]}))
+
+
+def test_layers_wider_in_attention_than_in_the_mlp(tok, kernel, monkeypatch):
+    """q/k/v wider than gate/up (the buffers both share are laid out per product)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=128, initializer_range=0.2,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(config).eval()
+    compiled = run_steps(model, tok)
+    assert compiled[0].compiled is not None
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    assert_close_runs(compiled, run_steps(model, tok))
+
+
 def test_compiled_step_decodes_lora_with_the_adapters_merged(tok, kernel, monkeypatch):
     model = apply_lora(model_of("llama", tok), LoraSettings(r=4, alpha=8, dropout=0.0))
     torch.manual_seed(1)
@@ -184,7 +215,9 @@ def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_pa
     monkeypatch.delenv(cpu_kernel.ENV, raising=False)
 
     def no_compiler(name, directory):
-        raise RuntimeError("build failed\nerror: command 'c++' not found")
+        raise RuntimeError("Error building extension 'x': [1/2] c++ -c decode_step.cpp\n"
+                           "decode_step.cpp:1:10: fatal error: ATen/ATen.h: No such file\n"
+                           "ninja: build stopped: subcommand failed.")
 
     monkeypatch.setattr(cpu_kernel, "_build", no_compiler)
     cpu_kernel.module.cache_clear()
@@ -194,10 +227,36 @@ def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_pa
             assert cpu_kernel.module() is None
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1
-        assert "error: command 'c++' not found" in lines[0] and "Python step" in lines[0]
-        assert f"{cpu_kernel.ENV}=0" in lines[0]
+        assert "(the build failed: decode_step.cpp:1:10: fatal error: ATen/ATen.h: No such " \
+            "file); the Python step runs instead (MOGRPO_DECODE_KERNEL=0 skips" in lines[0]
         decoder, logits, _ = run_steps(model_of("llama", tok), tok, steps=2)
         assert decoder.compiled is None and torch.isfinite(logits[-1]).all()
+        # the next process does not try again, and says how to
+        monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("built again"))
+        cpu_kernel.module.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mogrpo.rollout.cpu_kernel"):
+            assert cpu_kernel.module() is None
+        directory = cpu_kernel.cache_directory() / cpu_kernel.build_name()
+        assert f"ATen/ATen.h: No such file; delete {directory} to build it again" in \
+            caplog.records[0].getMessage()
+    finally:
+        cpu_kernel.module.cache_clear()
+
+
+def test_without_a_compiler_nothing_is_tried(monkeypatch, tmp_path, caplog):
+    from mogrpo.algo import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
+    monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("tried to build"))
+    cpu_kernel.module.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mogrpo.rollout.cpu_kernel"):
+            assert cpu_kernel.module() is None
+        assert "(no C++ compiler 'no-such-compiler' to build it: install g++ or set CXX)" in \
+            caplog.records[0].getMessage()
     finally:
         cpu_kernel.module.cache_clear()
 

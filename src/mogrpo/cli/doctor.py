@@ -28,7 +28,8 @@ FULL_GPU = 0.9
 # Variables that silently change a run: leftovers from an earlier run attach to the wrong
 # W&B run (USERS.md #8), the others pick devices, caches and allocator behaviour.
 WATCHED_ENV = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_HUB_OFFLINE",
-               "TRANSFORMERS_OFFLINE", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE", "OMP_NUM_THREADS")
+               "TRANSFORMERS_OFFLINE", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE", "OMP_NUM_THREADS",
+               "MOGRPO_DECODE_KERNEL", "MOGRPO_KERNEL_CACHE")
 STALE_ENV = {"WANDB_RUN_ID": "the next run attaches to that W&B run",
              "WANDB_RESUME": "the next run resumes a W&B run instead of starting one"}
 
@@ -69,8 +70,10 @@ def _cpu() -> dict[str, Any]:
                 info["model"] = line.split(":", 1)[1].strip()
                 break
     from mogrpo.algo.cpu_linear import kernels
+    from mogrpo.rollout.cpu_kernel import status
 
     info["kernels"] = kernels()  # which library computes the float32 products
+    info["decode_step"] = status()  # the native engine's CPU decode step: compiled or Python
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
@@ -186,6 +189,8 @@ def report(info: dict[str, Any]) -> str:
     if "kernels" in cpu:
         lines.append(f"CPU products: training on {cpu['kernels']['training']}; decode on "
                      f"{cpu['kernels']['decode']}")
+    if "decode_step" in cpu:
+        lines.append(f"CPU decode step: {cpu['decode_step']}")
     if "ram_total" in cpu:
         available = f", {_gib(cpu['ram_available'])} available" if "ram_available" in cpu else ""
         lines.append(f"RAM: {_gib(cpu['ram_total'])} total{available}")

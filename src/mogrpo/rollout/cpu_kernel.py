@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 ENV = "MOGRPO_DECODE_KERNEL"  # "0", "off", "false" or "no": never build or use it
+# a layer's attention of at least this many multiply-adds (rows x heads x columns x head dim)
+# runs as ATen's batched products when torch has several threads (they run in parallel; the
+# compiled loops on one thread)
+PARALLEL_ATTENTION = 2**20
 STALE_LOCK_SECONDS = 600  # a build takes well under this; an older lock is a killed build's
+FAILED = "failed.txt"  # in a build's folder: why it failed (later processes do not retry)
 
 # compiler flags per the vector instructions torch found on this CPU
 _FLAGS = {
@@ -44,6 +50,28 @@ _FLAGS = {
 def disabled() -> bool:
     """Whether MOGRPO_DECODE_KERNEL switches the compiled step off."""
     return os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def status() -> str:
+    """Which decode step a CPU rollout runs here, for `mogrpo doctor env`; builds nothing."""
+    from mogrpo.algo.cpu_linear import decode_on_mkl
+
+    if disabled():
+        return f"Python ({ENV}={os.environ[ENV]})"
+    if not decode_on_mkl():
+        return "Python (the compiled step runs on MKL's packed products, not used on this CPU)"
+    name = build_name()
+    directory = cache_directory() / name
+    if (directory / FAILED).exists():
+        return (f"Python ({(directory / FAILED).read_text().strip()}; delete {directory} to "
+                "build it again)")
+    if (directory / f"{name}.so").exists():
+        return "compiled (built for this mogrpo, torch and CPU)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return (f"Python (no C++ compiler '{compiler}' to build the compiled step: install g++ "
+                "or set CXX)")
+    return "compiled (built at the first CPU decode, ~30 s, once)"
 
 
 def cache_directory() -> Path:
@@ -65,25 +93,49 @@ def build_name() -> str:
 @functools.cache
 def module():
     """The compiled extension, built on first call, or None where it cannot be used here (see
-    the module docstring): switched off, no MKL packed products, or the build failed (one
-    warning with the reason)."""
+    the module docstring): switched off, no MKL packed products, no C++ compiler, or the build
+    failed (one warning with the reason; a failed build is not tried again by later processes
+    until its folder in `cache_directory()` is deleted)."""
     from mogrpo.algo.cpu_linear import decode_on_mkl
 
     if disabled() or not decode_on_mkl():
         return None
     name = build_name()
     directory = cache_directory() / name
-    built, lock = directory / f"{name}.so", directory / "lock"
+    built, lock, failed = directory / f"{name}.so", directory / "lock", directory / FAILED
+    if failed.exists():
+        _unavailable(f"{failed.read_text().strip()}; delete {directory} to build it again")
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if not built.exists() and shutil.which(compiler) is None:
+        _unavailable(f"no C++ compiler '{compiler}' to build it: install g++ or set CXX")
+        return None
     try:
         if built.exists() and not lock.exists():  # built: imported without the builder's lock
             return _import(name, built)
         return _build(name, directory)
-    except Exception as error:  # no compiler, no headers, a failed build: the Python step runs
-        reason = str(error).strip().splitlines()
-        logger.warning("native decode: the compiled CPU step is not available (%s); the Python "
-                       "step runs instead (%s=0 skips the attempt)",
-                       reason[-1] if reason else type(error).__name__, ENV)
+    except Exception as error:  # no headers, a failed build: the Python step runs
+        reason = _reason(error)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            failed.write_text(f"the build failed: {reason}\n")
+        except OSError:
+            pass
+        _unavailable(f"the build failed: {reason}")
         return None
+
+
+def _unavailable(reason: str) -> None:
+    logger.warning("native decode: the compiled CPU step is not available (%s); the Python step "
+                   "runs instead (%s=0 skips the attempt)", reason, ENV)
+
+
+def _reason(error: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first error, else the last
+    line of the message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [type(error).__name__])[0 if errors else -1]
 
 
 def _import(name: str, path: Path):

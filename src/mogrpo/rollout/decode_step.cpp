@@ -11,6 +11,7 @@
 // where it sums (norms, attention): results agree to float32 rounding, not to the bit.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@ namespace {
 using Compute = void (*)(int, int, int, int, int, int, const float*, int, const void*, int,
                          float, float*, int);
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
+
 
 struct Product {
   const void* packed;  // MKL's packed weight [out, in], owned by the Python side
@@ -61,8 +63,13 @@ void rms_norm(const float* x, const float* weight, float eps, int rows, int n, f
 
 class Stack {
  public:
-  Stack(int64_t compute, int64_t max_rows, int64_t hidden, int64_t head_dim)
+  // parallel_attention: the multiply-adds of a layer's attention (rows x heads x columns x
+  // head dim) from which, on several threads, it runs as ATen's batched products (parallel)
+  // rather than this file's single-threaded loops
+  Stack(int64_t compute, int64_t max_rows, int64_t hidden, int64_t head_dim,
+        int64_t parallel_attention)
       : compute_(reinterpret_cast<Compute>(compute)),
+        parallel_attention_(parallel_attention),
         max_rows_(static_cast<int>(max_rows)),
         hidden_(static_cast<int>(hidden)),
         head_dim_(static_cast<int>(head_dim)) {
@@ -125,10 +132,9 @@ class Stack {
     float* scores = scores_.data_ptr<float>();
     const float* tp = turns.data_ptr<float>();
     const float* bp = bias.data_ptr<float>();
-    const int64_t b0 = bias.stride(0), b1 = bias.stride(1), b2 = bias.stride(2);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      const int heads = L.heads, kv = L.kv_heads, G = heads / kv, turned = heads + kv;
+      const int heads = L.heads, kv = L.kv_heads, turned = heads + kv;
       rms_norm(xp, L.norm1.data_ptr<float>(), L.eps1, B, H, h);
       product(L.qkv, h, H, B, wide);
       // q and k turned by the token's rotation (pairs side by side), k and v into the cache
@@ -154,42 +160,23 @@ class Stack {
         for (int g = 0; g < kv; ++g)
           std::copy_n(row + (turned + g) * D, D, vp + b * v0 + g * v1 + column * v2);
       }
-      // one query per head over the S columns of its key head
-      for (int b = 0; b < B; ++b) {
-        for (int g = 0; g < kv; ++g) {
-          const float* K = kp + b * k0 + g * k1;
-          const float* V = vp + b * v0 + g * v1;
-          const float* add = bp + b * b0 + g * b1;
-          for (int j = 0; j < G; ++j) {
-            const int head = g * G + j;
-            const float* qh = q + (static_cast<int64_t>(b) * heads + head) * D;
-            float top = -INFINITY;
-            for (int s = 0; s < S; ++s) {
-              scores[s] = dot(qh, K + s * k2, D) * L.scaling + add[s * b2];
-              top = std::max(top, scores[s]);
-            }
-            float total = 0.f;
-            for (int s = 0; s < S; ++s) {
-              scores[s] = std::exp(scores[s] - top);
-              total += scores[s];
-            }
-            float* out = att + (static_cast<int64_t>(b) * heads + head) * D;
-            std::fill_n(out, D, 0.f);
-            for (int s = 0; s < S; ++s) {
-              const float p = scores[s] / total;
-              const float* vs = V + s * v2;
-#pragma omp simd
-              for (int d = 0; d < D; ++d) out[d] += p * vs[d];
-            }
-          }
-        }
+      // one query per head over the S columns of its key head: on several threads, a large
+      // attention as ATen's batched products (parallel), else plain loops
+      const int64_t work = static_cast<int64_t>(B) * heads * S * D;
+      if (at::get_num_threads() > 1 && work >= parallel_attention_) {
+        attend_parallel(L, keys[i], values[i], bias, B, S);
+      } else {
+        attend(L, q, kp, vp, bp, keys[i], values[i], bias, att, scores, B, S);
       }
       add_product(L.o, att, heads * D, B, xp);
       rms_norm(xp, L.norm2.data_ptr<float>(), L.eps2, B, H, h);
       product(L.gate_up, h, H, B, wide);
       // silu(gate) * up, written over the gate half (the down product reads it with stride)
       const int I = L.down.in;
-      at::Tensor gate = wide_.narrow(0, 0, B).narrow(1, 0, L.gate_up.out).narrow(1, 0, I);
+      at::Tensor gate = wide_.view({-1})
+                            .narrow(0, 0, static_cast<int64_t>(B) * L.gate_up.out)
+                            .view({B, L.gate_up.out})
+                            .narrow(1, 0, I);
       at::silu_(gate);
       for (int b = 0; b < B; ++b) {
         float* gr = wide + static_cast<int64_t>(b) * L.gate_up.out;
@@ -241,6 +228,62 @@ class Stack {
     }
   }
 
+  // attention of the B rows' queries (q_) into attended_, as plain loops
+  void attend(const Layer& L, const float* q, const float* kp, const float* vp, const float* bp,
+              const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias,
+              float* att, float* scores, int B, int S) const {
+    const int D = head_dim_, heads = L.heads, kv = L.kv_heads, G = heads / kv;
+    const int64_t k0 = keys.stride(0), k1 = keys.stride(1), k2 = keys.stride(2);
+    const int64_t v0 = values.stride(0), v1 = values.stride(1), v2 = values.stride(2);
+    const int64_t b0 = bias.stride(0), b1 = bias.stride(1), b2 = bias.stride(2);
+    for (int b = 0; b < B; ++b) {
+      for (int g = 0; g < kv; ++g) {
+        const float* K = kp + b * k0 + g * k1;
+        const float* V = vp + b * v0 + g * v1;
+        const float* add = bp + b * b0 + g * b1;
+        for (int j = 0; j < G; ++j) {
+          const int head = g * G + j;
+          const float* qh = q + (static_cast<int64_t>(b) * heads + head) * D;
+          float top = -INFINITY;
+          for (int s = 0; s < S; ++s) {
+            scores[s] = dot(qh, K + s * k2, D) * L.scaling + add[s * b2];
+            top = std::max(top, scores[s]);
+          }
+          float total = 0.f;
+          for (int s = 0; s < S; ++s) {
+            scores[s] = std::exp(scores[s] - top);
+            total += scores[s];
+          }
+          float* out = att + (static_cast<int64_t>(b) * heads + head) * D;
+          std::fill_n(out, D, 0.f);
+          for (int s = 0; s < S; ++s) {
+            const float p = scores[s] / total;
+            const float* vs = V + s * v2;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) out[d] += p * vs[d];
+          }
+        }
+      }
+    }
+  }
+
+  // the same attention as ATen's batched products, which run on every thread torch has
+  void attend_parallel(const Layer& L, const at::Tensor& keys, const at::Tensor& values,
+                       const at::Tensor& bias, int B, int S) {
+    const int64_t D = head_dim_, kv = L.kv_heads, G = L.heads / L.kv_heads;
+    // q_ and attended_ hold [B, heads * D] packed from their start, as the loops use them
+    const auto rows = [&](const at::Tensor& buffer) {
+      return buffer.view({-1}).narrow(0, 0, B * L.heads * D).view({B * kv, G, D});
+    };
+    at::Tensor q = rows(q_);
+    at::Tensor k = keys.narrow(2, 0, S).reshape({B * kv, S, D});
+    at::Tensor v = values.narrow(2, 0, S).reshape({B * kv, S, D});
+    at::Tensor add = bias.narrow(2, 0, S).reshape({B * kv, 1, S});
+    at::Tensor scores = at::baddbmm(add, q, k.transpose(1, 2), 1.0, L.scaling);
+    at::Tensor out = rows(attended_);
+    at::bmm_out(out, at::softmax(scores, -1), v);
+  }
+
   void allocate(int B, int S) {
     if (!norm_.defined()) {
       const auto f = at::TensorOptions().dtype(at::kFloat);
@@ -285,6 +328,7 @@ class Stack {
   float final_eps_ = 0.f;
   Product head_{};
   Compute compute_;
+  int64_t parallel_attention_;
   int max_rows_, hidden_, head_dim_;
   int widest_ = 0, q_width_ = 0;
   std::vector<Layer> layers_;
@@ -295,7 +339,7 @@ class Stack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Stack>(m, "Stack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &Stack::add_layer)
       .def("set_head", &Stack::set_head)
       .def("step", &Stack::step);

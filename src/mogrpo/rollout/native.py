@@ -525,7 +525,8 @@ def _compiled_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, b
                 not all(isinstance(w, Packed) for w, _ in products):
             return None, False
         if stack is None:
-            stack = kernel.Stack(mkl_packed.compute_address(), rows, p.qkv[0].shape[1], head_dim)
+            stack = kernel.Stack(mkl_packed.compute_address(), rows, p.qkv[0].shape[1], head_dim,
+                                 cpu_kernel.PARALLEL_ATTENTION)
         (first, eps1), (second, eps2) = p.norms
         (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
         stack.add_layer(first.detach(), eps1, second.detach(), eps2,
