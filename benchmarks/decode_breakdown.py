@@ -10,8 +10,9 @@ train` does) with CPU-time counters around `NativeDecoder.prefill`, `NativeDecod
 the decode loop. A second series replaces each layer's projection kernels inside the decode
 step with one returning a preallocated zero tensor: the step time left is what the step's
 other operations cost (norms, rotation, cache writes, attention, residuals, the output head),
-and the difference is the products'. The counters read the decoder's internals (its per-layer
-tuples): a diagnostic, not an API.
+and the difference is the products'. These run on the Python decode step; a last series runs
+the compiled one (`rollout/cpu_kernel.py`) where it is available. The counters read the
+decoder's internals (its per-layer tuples): a diagnostic, not an API.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 import mogrpo.rollout.native as native
 from mogrpo.algo.cpu_linear import cpu_name
+from mogrpo.rollout import cpu_kernel
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.train.host_memory import keep_freed_memory
 
@@ -72,8 +74,9 @@ def _stubbed_layers(original):
     return layers
 
 
-def measure(model, tok, repeats: int, stub: bool) -> dict[str, float]:
-    """Median CPU ms per rollout of each part over `repeats` rollouts (after one warm-up)."""
+def measure(model, tok, repeats: int, stub: bool, compiled: bool = False) -> dict[str, float]:
+    """Median CPU ms per rollout of each part over `repeats` rollouts (after one warm-up), on
+    the Python decode step, or on the compiled one (`compiled`, not with `stub`)."""
     settings = SamplingSettings(max_new_tokens=32, temperature=1.0,
                                 stop_token_ids=[len(tok) + 7])  # no row stops early
     prompts = [row["prompt"] for row in workload.prompt_rows(0, 4)]
@@ -87,6 +90,9 @@ def measure(model, tok, repeats: int, stub: bool) -> dict[str, float]:
     native._decode = _counted(totals, "decode loop", saved_decode)
     if stub:
         native.NativeDecoder._step_layers = _stubbed_layers(saved["_step_layers"])
+    available = cpu_kernel.module
+    if not compiled:
+        cpu_kernel.module = lambda: None
     try:
         for i in range(repeats + 1):
             for part in PARTS:
@@ -102,6 +108,7 @@ def measure(model, tok, repeats: int, stub: bool) -> dict[str, float]:
         for name, fn in saved.items():
             setattr(native.NativeDecoder, name, fn)
         native._decode = saved_decode
+        cpu_kernel.module = available
     return {part: statistics.median(values) for part, values in per_part.items()}
 
 
@@ -114,11 +121,14 @@ def main() -> None:
     torch.set_num_threads(1)
     keep_freed_memory()
     lines = ["| size | rollout | weights, tokenising | prefill | decode steps (per step) | "
-             "sampling | steps without the products (per step) | products per step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "sampling | steps without the products (per step) | products per step | "
+             "compiled step: rollout, decode steps (per step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    compiled = cpu_kernel.module() is not None
     for size, model, tok in workload.loaded_models(args.sizes):
         whole, stubbed = measure(model, tok, args.repeats, False), \
             measure(model, tok, args.repeats, True)
+        fast = measure(model, tok, args.repeats, False, compiled=True) if compiled else None
         steps = 31  # 32 tokens: the prefill gives the first logits
         lines.append(
             f"| {size} | {whole['rollout']:.1f} ms | "
@@ -126,7 +136,9 @@ def main() -> None:
             f"{whole['steps']:.1f} ms ({whole['steps'] / steps:.2f}) | "
             f"{whole['decode loop'] - whole['prefill'] - whole['steps']:.1f} ms | "
             f"{stubbed['steps']:.1f} ms ({stubbed['steps'] / steps:.2f}) | "
-            f"{(whole['steps'] - stubbed['steps']) / steps:.2f} ms |")
+            f"{(whole['steps'] - stubbed['steps']) / steps:.2f} ms | "
+            + (f"{fast['rollout']:.1f} ms, {fast['steps']:.1f} ms ({fast['steps'] / steps:.2f}) |"
+               if fast else "not available here |"))
         print(lines[-1], flush=True)
     lines.append(f"\nCPU time, median of {args.repeats} rollouts of 16 rows × 32 tokens after a "
                  f"warm-up; CPU: {cpu_name()}; torch {torch.__version__}, 1 thread.")

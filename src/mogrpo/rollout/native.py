@@ -358,9 +358,10 @@ class NativeDecoder:
         B, column = len(tokens), self.length
         S = column + 1
         x = self.embed(tokens)  # [B, H]
-        if self.step_layers is None:
+        if self.step_layers is None and self.compiled is None:  # the first step
             self.compiled, self.compiled_head = _compiled_stack(self, B)
-            self.step_layers = self._step_layers(B)
+            if self.compiled is None:
+                self.step_layers = self._step_layers(B)
         if self.compiled is not None:  # the same layers in one call (cpu_kernel)
             turn = torch.view_as_real(self.turns[column - self.prompt_columns])  # [B, D/2, 2]
             out = self.compiled.step(x, turn, self.bias, self.keys, self.values, column)
