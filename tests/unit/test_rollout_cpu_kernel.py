@@ -85,12 +85,33 @@ def assert_close_runs(compiled, python):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["mkl-packed", "onednn", "blas"])
+def products(request, monkeypatch):
+    """Each kernel a decode step's products may run on (which one depends on the CPU:
+    `cpu_linear.decode_on_mkl`, `decode_on_onednn`), whatever this machine's CPU."""
+    from mogrpo.algo import cpu_linear, mkl_packed
+
+    if request.param == "onednn" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    if request.param == "mkl-packed" and not mkl_packed.works():
+        pytest.skip("this torch exports no MKL packed product")
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: request.param == "mkl-packed")
+    return request.param
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel,
+def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel, products,
                                                                 monkeypatch):
+    from mogrpo.algo.mkl_packed import Packed
+
     model = model_of(family, tok)
     compiled = run_steps(model, tok, leave={2: [0, 2, 3, 5, 6, 7], 4: [1, 2, 5]})
-    assert compiled[0].compiled is not None and compiled[0].compiled_head
+    decoder = compiled[0]
+    assert decoder.compiled is not None and decoder.compiled_head
+    qkv = decoder.plain[0].qkv[0]
+    assert isinstance(qkv, Packed) == (products == "mkl-packed")
+    assert products == "mkl-packed" or qkv.is_mkldnn == (products == "onednn")
     monkeypatch.setattr(cpu_kernel, "module", lambda: None)
     python = run_steps(model, tok, leave={2: [0, 2, 3, 5, 6, 7], 4: [1, 2, 5]})
     assert python[0].compiled is None
@@ -99,7 +120,7 @@ def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, ker
     assert not torch.allclose(compiled[1][0][:3], compiled[1][1][:3])
 
 
-def test_compiled_step_takes_biases_on_every_product_and_an_untied_head(tok, kernel,
+def test_compiled_step_takes_biases_on_every_product_and_an_untied_head(tok, kernel, products,
                                                                        monkeypatch):
     """Qwen2's q/k/v biases, and biases given to o_proj, down_proj and gate/up by hand (other
     families have them), with a separate output head."""
@@ -208,9 +229,6 @@ def test_switched_off_by_the_environment_variable(monkeypatch):
 
 
 def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_path, caplog):
-    from mogrpo.algo import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
     monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv(cpu_kernel.ENV, raising=False)
 
@@ -245,9 +263,6 @@ def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_pa
 
 
 def test_without_a_compiler_nothing_is_tried(monkeypatch, tmp_path, caplog):
-    from mogrpo.algo import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
     monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("tried to build"))
@@ -268,9 +283,6 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_waits_for_the_builder(mon
     (through the builder), never imported half-written."""
     import torch.utils.cpp_extension as cpp_extension
 
-    from mogrpo.algo import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
     monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv(cpu_kernel.ENV, raising=False)
     calls = []

@@ -1,17 +1,18 @@
 """The native engine's decode step compiled for CPUs (`decode_step.cpp`): every decoder layer
-of a step in one call, where the Python step (`NativeDecoder._step_pairs`) launches ~25 small
-operations a layer.
+of a step, the final norm and the head in one call, where the Python step
+(`NativeDecoder._step_pairs`) launches ~25 small operations a layer.
 
 On a CPU a decode step of a small model is mostly launch cost: at the vs_trl benchmark's
 0.7 M-parameter model the layers' operations other than the four products took 0.73 ms of a
 1.20 ms step, and 6.5 of 31 ms at 32 M (`benchmarks/decode_breakdown.py`). The compiled step
-runs them as plain loops over buffers it holds for the whole decode, around the same packed
-MKL products. Its sums (norms, attention scores, softmax) run in another order than PyTorch's
-kernels: results agree to float32 rounding, not to the bit.
+runs them as plain loops over buffers it holds for the whole decode, around the same products
+(MKL's packed product on Intel CPUs, oneDNN's packed weights or ATen's linear elsewhere). Its
+sums (norms, attention scores, softmax) run in another order than PyTorch's kernels: results
+agree to float32 rounding, not to the bit.
 
-Built with PyTorch's extension builder on first use (~40 s, with a C++ compiler; the build is
-cached per machine and source) and used where the Python step would run on MKL's packed
-products (`decode_on_mkl`) with SiLU MLPs and RMSNorms. Without a compiler, or with
+Built with PyTorch's extension builder on first use (~30 s, with a C++ compiler; the build is
+cached per machine, mogrpo and torch version) and used for float32 models with RMSNorms and
+SiLU MLPs whose q and k the Python step rotates as complex pairs. Without a compiler, or with
 MOGRPO_DECODE_KERNEL=0, the Python step runs (one log line says why).
 """
 
@@ -54,12 +55,8 @@ def disabled() -> bool:
 
 def status() -> str:
     """Which decode step a CPU rollout runs here, for `mogrpo doctor env`; builds nothing."""
-    from mogrpo.algo.cpu_linear import decode_on_mkl
-
     if disabled():
         return f"Python ({ENV}={os.environ[ENV]})"
-    if not decode_on_mkl():
-        return "Python (the compiled step runs on MKL's packed products, not used on this CPU)"
     name = build_name()
     directory = cache_directory() / name
     if (directory / FAILED).exists():
@@ -93,12 +90,10 @@ def build_name() -> str:
 @functools.cache
 def module():
     """The compiled extension, built on first call, or None where it cannot be used here (see
-    the module docstring): switched off, no MKL packed products, no C++ compiler, or the build
+    the module docstring): switched off, no C++ compiler, or the build
     failed (one warning with the reason; a failed build is not tried again by later processes
     until its folder in `cache_directory()` is deleted)."""
-    from mogrpo.algo.cpu_linear import decode_on_mkl
-
-    if disabled() or not decode_on_mkl():
+    if disabled():
         return None
     name = build_name()
     directory = cache_directory() / name

@@ -3,15 +3,17 @@
 // A decode step of a small model is mostly the cost of launching its ~25 small operations a
 // layer (norms, rotation, cache writes, attention, activation, residual sums), each a few
 // microseconds of dispatch, allocation and iterator set-up around arithmetic that takes less.
-// Here each layer is plain loops over buffers held for the whole decode, around MKL's packed
-// products (the same `cblas_sgemm_compute` calls, found by the Python side and passed in as an
-// address) and ATen's vectorised SiLU.
+// Here each layer is plain loops over buffers held for the whole decode, around the products
+// the Python step runs (MKL's packed product, `cblas_sgemm_compute`, called at an address the
+// Python side found; oneDNN's on its packed weights; ATen's linear on plain ones) and ATen's
+// vectorised SiLU.
 //
 // The arithmetic is the Python step's (`NativeDecoder._step_pairs`), in another summation order
 // where it sums (norms, attention): results agree to float32 rounding, not to the bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -30,10 +32,23 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
 
 
 struct Product {
-  const void* packed;  // MKL's packed weight [out, in], owned by the Python side
+  const void* packed;  // MKL's packed weight [out, in], owned by the Python side; or null and
+  at::Tensor weight;   // a weight [out, in]: oneDNN's packed layout, or a plain tensor
   int out, in;
   at::Tensor bias;  // [out], or undefined
 };
+
+// y = x w^T + b on oneDNN's packed weight w (mkldnn::_linear_pointwise, as the Python step)
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                                 c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 struct Layer {
   at::Tensor norm1, norm2;  // RMSNorm weights [hidden]
@@ -68,7 +83,7 @@ class Stack {
   // rather than this file's single-threaded loops
   Stack(int64_t compute, int64_t max_rows, int64_t hidden, int64_t head_dim,
         int64_t parallel_attention)
-      : compute_(reinterpret_cast<Compute>(compute)),
+      : compute_(reinterpret_cast<Compute>(compute)),  // 0: no MKL packed products
         parallel_attention_(parallel_attention),
         max_rows_(static_cast<int>(max_rows)),
         hidden_(static_cast<int>(hidden)),
@@ -76,41 +91,52 @@ class Stack {
     if (head_dim % 2) throw std::invalid_argument("the head dimension must be even");
   }
 
+  // a product: `weight` is MKL's packed weight (its address, an int) or a tensor [out, in]
+  Product product_of(const pybind11::object& weight, int64_t out, int64_t in,
+                     const std::optional<at::Tensor>& bias) const {
+    Product p{nullptr, at::Tensor(), static_cast<int>(out), static_cast<int>(in),
+              bias_of(bias, out)};
+    if (pybind11::isinstance<pybind11::int_>(weight)) {
+      if (compute_ == nullptr) throw std::invalid_argument("no MKL compute function given");
+      p.packed = reinterpret_cast<const void*>(weight.cast<int64_t>());
+    } else {
+      p.weight = weight.cast<at::Tensor>();
+      if (p.weight.scalar_type() != at::kFloat || p.weight.dim() != 2 ||
+          p.weight.size(0) != out || p.weight.size(1) != in)
+        throw std::invalid_argument("a weight does not match its product");
+    }
+    return p;
+  }
+
   void add_layer(at::Tensor norm1, double eps1, at::Tensor norm2, double eps2,
-                 int64_t qkv, int64_t qkv_out, std::optional<at::Tensor> qkv_bias,
-                 int64_t o, std::optional<at::Tensor> o_bias,
-                 int64_t gate_up, int64_t gate_up_out, std::optional<at::Tensor> gate_up_bias,
-                 int64_t down, int64_t intermediate, std::optional<at::Tensor> down_bias,
-                 int64_t heads, int64_t kv_heads, double scaling) {
-    const int D = head_dim_, H = hidden_;
+                 pybind11::object qkv, int64_t qkv_out, std::optional<at::Tensor> qkv_bias,
+                 pybind11::object o, std::optional<at::Tensor> o_bias,
+                 pybind11::object gate_up, int64_t gate_up_out,
+                 std::optional<at::Tensor> gate_up_bias, pybind11::object down,
+                 int64_t intermediate, std::optional<at::Tensor> down_bias, int64_t heads,
+                 int64_t kv_heads, double scaling) {
+    const int64_t D = head_dim_, H = hidden_;
     if (heads % kv_heads || qkv_out != (heads + 2 * kv_heads) * D ||
         gate_up_out != 2 * intermediate)
       throw std::invalid_argument("inconsistent layer shapes");
     Layer layer{norm1.contiguous(), norm2.contiguous(), static_cast<float>(eps1),
-                static_cast<float>(eps2),
-                {reinterpret_cast<const void*>(qkv), static_cast<int>(qkv_out), H,
-                 bias_of(qkv_bias, qkv_out)},
-                {reinterpret_cast<const void*>(o), H, static_cast<int>(heads * D),
-                 bias_of(o_bias, H)},
-                {reinterpret_cast<const void*>(gate_up), static_cast<int>(gate_up_out), H,
-                 bias_of(gate_up_bias, gate_up_out)},
-                {reinterpret_cast<const void*>(down), H, static_cast<int>(intermediate),
-                 bias_of(down_bias, H)},
-                static_cast<int>(heads), static_cast<int>(kv_heads),
-                static_cast<float>(scaling)};
+                static_cast<float>(eps2), product_of(qkv, qkv_out, H, qkv_bias),
+                product_of(o, H, heads * D, o_bias),
+                product_of(gate_up, gate_up_out, H, gate_up_bias),
+                product_of(down, H, intermediate, down_bias), static_cast<int>(heads),
+                static_cast<int>(kv_heads), static_cast<float>(scaling)};
     layers_.push_back(std::move(layer));
     widest_ = std::max({widest_, static_cast<int>(qkv_out), static_cast<int>(gate_up_out),
-                        static_cast<int>(heads * D), H});
+                        static_cast<int>(heads * D), hidden_});
     q_width_ = std::max(q_width_, static_cast<int>(heads * D));
   }
 
   // The final norm and output head: `step` then returns the next-token logits [B, vocab].
-  void set_head(at::Tensor norm, double eps, int64_t head, int64_t vocab,
+  void set_head(at::Tensor norm, double eps, pybind11::object head, int64_t vocab,
                 std::optional<at::Tensor> bias) {
     final_norm_ = norm.contiguous();
     final_eps_ = static_cast<float>(eps);
-    head_ = {reinterpret_cast<const void*>(head), static_cast<int>(vocab), hidden_,
-             bias_of(bias, vocab)};
+    head_ = product_of(head, vocab, hidden_, bias);
   }
 
   // x [B, hidden] (written in place) through every layer, at cache column `column`, then the
@@ -298,6 +324,17 @@ class Stack {
 
   // out [B, p.out] = x [B, p.in] (rows `lda` apart) w^T + bias
   void product(const Product& p, const float* x, int lda, int B, float* out) const {
+    if (p.packed == nullptr) {  // oneDNN or ATen, into a tensor of their own, copied here
+      at::Tensor input = at::from_blob(const_cast<float*>(x), {B, p.in}, {lda, 1},
+                                       at::TensorOptions().dtype(at::kFloat));
+      at::Tensor y = p.weight.is_mkldnn()
+                         ? onednn_linear(input.contiguous(), p.weight, p.bias)
+                         : at::linear(input, p.weight,
+                                      p.bias.defined() ? std::optional<at::Tensor>(p.bias)
+                                                       : std::nullopt);
+      std::copy_n(y.contiguous().data_ptr<float>(), static_cast<int64_t>(B) * p.out, out);
+      return;
+    }
     float beta = 0.f;
     if (p.bias.defined()) {
       const float* bias = p.bias.data_ptr<float>();
@@ -309,7 +346,7 @@ class Stack {
 
   // acc [B, p.out] += x w^T + bias
   void add_product(const Product& p, const float* x, int lda, int B, float* acc) {
-    if (!p.bias.defined()) {
+    if (!p.bias.defined() && p.packed != nullptr) {
       compute_(kRowMajor, kNoTrans, kPacked, B, p.out, p.in, x, lda, p.packed, 0, 1.f, acc,
                p.out);
       return;

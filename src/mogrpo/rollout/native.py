@@ -510,38 +510,54 @@ _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _compiled_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, bool]:
     """(`cpu_kernel`'s compiled step of the decoder's layers for at most `rows` rows, whether
     it computes the logits too), or (None, False) where it cannot run the layers: no compiled
-    module here, or a layer whose products are not MKL packed weights, whose norms are not
-    RMSNorms or whose activation is not SiLU. The logits too where the final norm is an RMSNorm
-    and the head a packed weight (`_head_weight`)."""
+    module here, or a layer whose norms are not RMSNorms, whose activation is not SiLU or whose
+    products are not float32 weights (MKL or oneDNN packed, or plain). The logits too where
+    the final norm is an RMSNorm and the head such a weight (`_head_weight`)."""
     kernel = cpu_kernel.module()
     if kernel is None or decoder.plain is None:
         return None, False
     head_dim = decoder.attention[0].head_dim
     if any(a.head_dim != head_dim or a.heads % a.kv_heads for a in decoder.attention):
         return None, False
-    stack = None
-    for p, a in zip(decoder.plain, decoder.attention, strict=True):
+    layers = []
+    for p in decoder.plain:
         products = (p.qkv, p.out, p.gate_up, p.down)
         if p.norms is None or not _silu(p.act) or \
-                not all(isinstance(w, Packed) for w, _ in products):
+                not all(_compiled_weight(w) is not None for w, _ in products):
             return None, False
-        if stack is None:
-            stack = kernel.Stack(mkl_packed.compute_address(), rows, p.qkv[0].shape[1], head_dim,
-                                 cpu_kernel.PARALLEL_ATTENTION)
+        layers.append(products)
+    packed = any(isinstance(w, Packed) for products in layers for w, _ in products)
+    stack = kernel.Stack(mkl_packed.compute_address() if packed else 0, rows,
+                         decoder.plain[0].qkv[0].shape[1], head_dim,
+                         cpu_kernel.PARALLEL_ATTENTION)
+    for p, a, products in zip(decoder.plain, decoder.attention, layers, strict=True):
         (first, eps1), (second, eps2) = p.norms
         (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
         stack.add_layer(first.detach(), eps1, second.detach(), eps2,
-                        qkv.address, qkv.shape[0], _detached(qkv_b), out.address,
-                        _detached(out_b), gate_up.address, gate_up.shape[0],
-                        _detached(gate_up_b), down.address, down.shape[1], _detached(down_b),
-                        a.heads, a.kv_heads, a.scaling)
+                        _compiled_weight(qkv), qkv.shape[0], _detached(qkv_b),
+                        _compiled_weight(out), _detached(out_b), _compiled_weight(gate_up),
+                        gate_up.shape[0], _detached(gate_up_b), _compiled_weight(down),
+                        down.shape[1], _detached(down_b), a.heads, a.kv_heads, a.scaling)
     head = decoder.head_weight
-    if decoder.final_norm is None or not isinstance(head, Packed):
+    if decoder.final_norm is None or head is None or _compiled_weight(head) is None:
         return stack, False
+    if isinstance(head, Packed) and not packed:
+        return stack, False  # (the stack was given no MKL function)
     weight, eps = decoder.final_norm
-    stack.set_head(weight.detach(), eps, head.address, head.shape[0],
+    stack.set_head(weight.detach(), eps, _compiled_weight(head), head.shape[0],
                    _detached(decoder.head.bias))
     return stack, True
+
+
+def _compiled_weight(w: Tensor | Packed) -> int | Tensor | None:
+    """A product's weight as the compiled step takes it: an MKL pack's address, or a float32 CPU
+    tensor [out, in] (oneDNN's packed layout or plain); None for anything else."""
+    if isinstance(w, Packed):
+        return w.address
+    if isinstance(w, Tensor) and w.dtype == torch.float32 and w.dim() == 2 and \
+            w.device.type == "cpu":
+        return w.detach()
+    return None
 
 
 def _silu(act: Callable) -> bool:
