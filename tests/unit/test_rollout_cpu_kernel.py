@@ -314,3 +314,17 @@ def test_builds_are_kept_per_python_torch_source_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernel, "SOURCE", tmp_path / "other.cpp")
     (tmp_path / "other.cpp").write_text("// another version\n")
     assert cpu_kernel.build_name() != name
+
+
+def test_a_decoder_built_outside_inference_mode_after_one_inside(tok):
+    """Decoders share each shape's q/k row order (cached); one made inside inference mode, as
+    `native_decode` runs, must not break a decoder built outside it: Qwen2's q/k/v biases are
+    reordered by it, and are copies that need no gradient."""
+    from mogrpo.rollout import native
+
+    native._pair_order.cache_clear()
+    model = model_of("qwen2", tok)
+    with torch.inference_mode():
+        NativeDecoder(model)
+    bias = NativeDecoder(model).plain[0].qkv[1]
+    assert bias is not None and not bias.requires_grad

@@ -818,7 +818,7 @@ def _fuse(parts: list[Linear | None], order: Tensor | None = None) -> Linear | N
         start = end
     if all(b is None for _, b in parts):
         return weight, None
-    bias = torch.cat([b if b is not None else w.new_zeros(len(w)) for w, b in parts])
+    bias = torch.cat([b.detach() if b is not None else w.new_zeros(len(w)) for w, b in parts])
     return weight, bias if order is None else bias[order]
 
 
