@@ -38,3 +38,19 @@ def tiny_policy(tiny_model_dir: Path):
     from mogrpo.modeling.load import load_policy
 
     return load_policy(str(tiny_model_dir))
+
+
+@pytest.fixture(params=["blas", "mkl-packed", "onednn"])
+def decode_kernel(request, monkeypatch):
+    """Each kernel the decode loop's products may run on (which one depends on the CPU: see
+    `cpu_linear.decode_on_onednn` and `decode_on_mkl`), whatever this machine's CPU: the BLAS
+    on weights as they are, MKL on packed weights, or oneDNN."""
+    from mogrpo.algo import cpu_linear, mkl_packed
+
+    if request.param == "onednn" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN")
+    if request.param == "mkl-packed" and not mkl_packed.works():
+        pytest.skip("this torch exports no MKL packed product")
+    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
+    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: request.param == "mkl-packed")
+    return request.param

@@ -30,8 +30,8 @@ def tok(tiny_model_dir):
 def kernel():
     module = cpu_kernel.module()
     if module is None:
-        pytest.skip("the compiled decode step is not available here (no MKL packed products "
-                    "or no C++ compiler)")
+        pytest.skip("the compiled decode step is not available here (no C++ compiler, or "
+                    "MOGRPO_DECODE_KERNEL=0 when the tests started)")
     return module
 
 
@@ -85,23 +85,8 @@ def assert_close_runs(compiled, python):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(params=["mkl-packed", "onednn", "blas"])
-def products(request, monkeypatch):
-    """Each kernel a decode step's products may run on (which one depends on the CPU:
-    `cpu_linear.decode_on_mkl`, `decode_on_onednn`), whatever this machine's CPU."""
-    from mogrpo.algo import cpu_linear, mkl_packed
-
-    if request.param == "onednn" and not cpu_linear.available():
-        pytest.skip("this torch has no oneDNN")
-    if request.param == "mkl-packed" and not mkl_packed.works():
-        pytest.skip("this torch exports no MKL packed product")
-    monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: request.param == "onednn")
-    monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: request.param == "mkl-packed")
-    return request.param
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel, products,
+def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel, decode_kernel,
                                                                 monkeypatch):
     from mogrpo.algo.mkl_packed import Packed
 
@@ -110,8 +95,8 @@ def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, ker
     decoder = compiled[0]
     assert decoder.compiled is not None and decoder.compiled_head
     qkv = decoder.plain[0].qkv[0]
-    assert isinstance(qkv, Packed) == (products == "mkl-packed")
-    assert products == "mkl-packed" or qkv.is_mkldnn == (products == "onednn")
+    assert isinstance(qkv, Packed) == (decode_kernel == "mkl-packed")
+    assert decode_kernel == "mkl-packed" or qkv.is_mkldnn == (decode_kernel == "onednn")
     monkeypatch.setattr(cpu_kernel, "module", lambda: None)
     python = run_steps(model, tok, leave={2: [0, 2, 3, 5, 6, 7], 4: [1, 2, 5]})
     assert python[0].compiled is None
@@ -120,7 +105,7 @@ def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, ker
     assert not torch.allclose(compiled[1][0][:3], compiled[1][1][:3])
 
 
-def test_compiled_step_takes_biases_on_every_product_and_an_untied_head(tok, kernel, products,
+def test_compiled_step_takes_biases_on_every_product_and_an_untied_head(tok, kernel, decode_kernel,
                                                                        monkeypatch):
     """Qwen2's q/k/v biases, and biases given to o_proj, down_proj and gate/up by hand (other
     families have them), with a separate output head."""
