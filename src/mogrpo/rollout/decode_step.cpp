@@ -379,5 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t>())
       .def("add_layer", &Stack::add_layer)
       .def("set_head", &Stack::set_head)
-      .def("step", &Stack::step);
+      // the GIL is let go while a step runs (its arguments are converted before): other
+      // Python threads — a server's other requests — go on meanwhile
+      .def("step", &Stack::step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
