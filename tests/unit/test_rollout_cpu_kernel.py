@@ -85,7 +85,7 @@ def assert_close_runs(compiled, python):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3"])
 def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel, decode_kernel,
                                                                 monkeypatch):
     from mogrpo.algo.mkl_packed import Packed
