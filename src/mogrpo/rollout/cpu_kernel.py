@@ -59,16 +59,24 @@ def status() -> str:
         return f"Python ({ENV}={os.environ[ENV]})"
     name = build_name()
     directory = cache_directory() / name
-    if (directory / FAILED).exists():
-        return (f"Python ({(directory / FAILED).read_text().strip()}; delete {directory} to "
-                "build it again)")
+    blocked = _blocked(directory, directory / f"{name}.so")
+    if blocked is not None:
+        return f"Python ({blocked})"
     if (directory / f"{name}.so").exists():
         return "compiled (built for this mogrpo, torch and CPU)"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return (f"Python (no C++ compiler '{compiler}' to build the compiled step: install g++ "
-                "or set CXX)")
     return "compiled (built at the first CPU decode, ~30 s, once)"
+
+
+def _blocked(directory: Path, built: Path) -> str | None:
+    """Why the build in `directory` cannot be used or tried here — it failed before, or there is
+    no build and no compiler to make it — or None."""
+    failed = directory / FAILED
+    if failed.exists():
+        return f"{failed.read_text().strip()}; delete {directory} to build it again"
+    compiler = os.environ.get("CXX", "c++")
+    if not built.exists() and shutil.which(compiler) is None:
+        return f"no C++ compiler '{compiler}' to build it: install g++ or set CXX"
+    return None
 
 
 def cache_directory() -> Path:
@@ -97,13 +105,10 @@ def module():
         return None
     name = build_name()
     directory = cache_directory() / name
-    built, lock, failed = directory / f"{name}.so", directory / "lock", directory / FAILED
-    if failed.exists():
-        _unavailable(f"{failed.read_text().strip()}; delete {directory} to build it again")
-        return None
-    compiler = os.environ.get("CXX", "c++")
-    if not built.exists() and shutil.which(compiler) is None:
-        _unavailable(f"no C++ compiler '{compiler}' to build it: install g++ or set CXX")
+    built, lock = directory / f"{name}.so", directory / "lock"
+    blocked = _blocked(directory, built)
+    if blocked is not None:
+        _unavailable(blocked)
         return None
     try:
         if built.exists() and not lock.exists():  # built: imported without the builder's lock
@@ -113,7 +118,7 @@ def module():
         reason = _reason(error)
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            failed.write_text(f"the build failed: {reason}\n")
+            (directory / FAILED).write_text(f"the build failed: {reason}\n")
         except OSError:
             pass
         _unavailable(f"the build failed: {reason}")

@@ -157,7 +157,6 @@ class Stack {
     float* att = attended_.data_ptr<float>();
     float* scores = scores_.data_ptr<float>();
     const float* tp = turns.data_ptr<float>();
-    const float* bp = bias.data_ptr<float>();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       const int heads = L.heads, kv = L.kv_heads, turned = heads + kv;
@@ -192,7 +191,7 @@ class Stack {
       if (at::get_num_threads() > 1 && work >= parallel_attention_) {
         attend_parallel(L, keys[i], values[i], bias, B, S);
       } else {
-        attend(L, q, kp, vp, bp, keys[i], values[i], bias, att, scores, B, S);
+        attend(L, q, keys[i], values[i], bias, att, scores, B, S);
       }
       add_product(L.o, att, heads * D, B, xp);
       rms_norm(xp, L.norm2.data_ptr<float>(), L.eps2, B, H, h);
@@ -255,10 +254,12 @@ class Stack {
   }
 
   // attention of the B rows' queries (q_) into attended_, as plain loops
-  void attend(const Layer& L, const float* q, const float* kp, const float* vp, const float* bp,
-              const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias,
-              float* att, float* scores, int B, int S) const {
+  void attend(const Layer& L, const float* q, const at::Tensor& keys, const at::Tensor& values,
+              const at::Tensor& bias, float* att, float* scores, int B, int S) const {
     const int D = head_dim_, heads = L.heads, kv = L.kv_heads, G = heads / kv;
+    const float* kp = keys.data_ptr<float>();
+    const float* vp = values.data_ptr<float>();
+    const float* bp = bias.data_ptr<float>();
     const int64_t k0 = keys.stride(0), k1 = keys.stride(1), k2 = keys.stride(2);
     const int64_t v0 = values.stride(0), v1 = values.stride(1), v2 = values.stride(2);
     const int64_t b0 = bias.stride(0), b1 = bias.stride(1), b2 = bias.stride(2);

@@ -521,12 +521,15 @@ def _compiled_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, b
         return None, False
     layers = []
     for p in decoder.plain:
-        products = (p.qkv, p.out, p.gate_up, p.down)
-        if p.norms is None or not _silu(p.act) or \
-                not all(_compiled_weight(w) is not None for w, _ in products):
+        products = [(_compiled_weight(w), b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
+        if p.norms is None or not _silu(p.act) or any(w is None for w, _ in products):
             return None, False
         layers.append(products)
-    packed = any(isinstance(w, Packed) for products in layers for w, _ in products)
+    head = None  # the head's weight as the stack takes it, where it computes the logits
+    if decoder.final_norm is not None and decoder.head_weight is not None:
+        head = _compiled_weight(decoder.head_weight)
+    # MKL's compute function where some product is MKL-packed (its weight an address)
+    packed = any(isinstance(w, int) for w in [head, *(w for layer in layers for w, _ in layer)])
     stack = kernel.Stack(mkl_packed.compute_address() if packed else 0, rows,
                          decoder.plain[0].qkv[0].shape[1], head_dim,
                          cpu_kernel.PARALLEL_ATTENTION)
@@ -534,17 +537,14 @@ def _compiled_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, b
         (first, eps1), (second, eps2) = p.norms
         (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
         stack.add_layer(first.detach(), eps1, second.detach(), eps2,
-                        _compiled_weight(qkv), qkv.shape[0], _detached(qkv_b),
-                        _compiled_weight(out), _detached(out_b), _compiled_weight(gate_up),
-                        gate_up.shape[0], _detached(gate_up_b), _compiled_weight(down),
-                        down.shape[1], _detached(down_b), a.heads, a.kv_heads, a.scaling)
-    head = decoder.head_weight
-    if decoder.final_norm is None or head is None or _compiled_weight(head) is None:
+                        qkv, p.qkv[0].shape[0], _detached(qkv_b), out, _detached(out_b),
+                        gate_up, p.gate_up[0].shape[0], _detached(gate_up_b),
+                        down, p.down[0].shape[1], _detached(down_b),
+                        a.heads, a.kv_heads, a.scaling)
+    if head is None:
         return stack, False
-    if isinstance(head, Packed) and not packed:
-        return stack, False  # (the stack was given no MKL function)
     weight, eps = decoder.final_norm
-    stack.set_head(weight.detach(), eps, _compiled_weight(head), head.shape[0],
+    stack.set_head(weight.detach(), eps, head, decoder.head_weight.shape[0],
                    _detached(decoder.head.bias))
     return stack, True
 
