@@ -59,7 +59,7 @@ def status() -> str:
         return f"Python ({ENV}={os.environ[ENV]})"
     name = build_name()
     directory = cache_directory() / name
-    blocked = _blocked(directory, directory / f"{name}.so")
+    blocked = _blocked(directory, directory / f"{name}.so", "the compiled step")
     if blocked is not None:
         return f"Python ({blocked})"
     if (directory / f"{name}.so").exists():
@@ -67,7 +67,7 @@ def status() -> str:
     return "compiled (built at the first CPU decode, ~30 s, once)"
 
 
-def _blocked(directory: Path, built: Path) -> str | None:
+def _blocked(directory: Path, built: Path, what: str = "it") -> str | None:
     """Why the build in `directory` cannot be used or tried here — it failed before, or there is
     no build and no compiler to make it — or None."""
     failed = directory / FAILED
@@ -75,7 +75,7 @@ def _blocked(directory: Path, built: Path) -> str | None:
         return f"{failed.read_text().strip()}; delete {directory} to build it again"
     compiler = os.environ.get("CXX", "c++")
     if not built.exists() and shutil.which(compiler) is None:
-        return f"no C++ compiler '{compiler}' to build it: install g++ or set CXX"
+        return f"no C++ compiler '{compiler}' to build {what}: install g++ or set CXX"
     return None
 
 
