@@ -5,6 +5,8 @@ rewards and settings.
         --repeats 3 --steps 20 --out benchmarks/results/vs_trl
     python benchmarks/vs_trl/run.py --quick          # smoke run: small, 4 steps, 1 repeat
     python benchmarks/vs_trl/run.py --device cuda --sizes small large xl --modes full lora
+    python benchmarks/vs_trl/run.py --arch qwen3 --sizes small medium --out \
+        benchmarks/results/vs_trl_qwen3    # the same shapes as Qwen3 models (per-head q/k norms)
 
 `--device cuda` runs both tools on the first CUDA GPU (still fp32, still without vLLM: both
 generate with their own engines, TRL with `generate()`).
@@ -46,6 +48,7 @@ class Bench:
     threads: int
     engine: str | None
     device: str = "cpu"
+    arch: str = "qwen2"  # the models' family (workload.build_models)
     settings: workload.Settings = field(default_factory=workload.Settings)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     pool: Path = Path()
@@ -145,7 +148,7 @@ def run_pair(bench: Bench, size: str, mode: str, repeat: int) -> dict[str, Any]:
 
 def prepare(bench: Bench, sizes: list[str]) -> None:
     """Models (from scratch), the prompt pool (mogrpo's data) and its draw order (TRL's)."""
-    bench.models = workload.build_models(bench.work, sizes, bench.settings.seed)
+    bench.models = workload.build_models(bench.work, sizes, bench.settings.seed, bench.arch)
     rows = workload.prompt_rows(bench.settings.seed)
     bench.pool = workload.write_prompts(bench.work / "data" / "pool.jsonl", rows)
     bench.order = workload.write_prompts(bench.work / "data" / f"order-{bench.steps}.jsonl",
@@ -173,6 +176,7 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
         "command": "python benchmarks/vs_trl/run.py " + " ".join(argv),
         "machine": machine,
         "device": bench.device,
+        "arch": bench.arch,
         "threads": bench.threads,
         "load_average_start": os.getloadavg(),
         "versions": {"mogrpo": mogrpo.__version__, "mogrpo_git": rev, "trl": trl.__version__,
@@ -199,6 +203,7 @@ def to_markdown(results: dict[str, Any]) -> str:
     s = meta["settings"]
     commands = "\n".join(f"    {c}" for c in meta.get("commands", [meta["command"]]))
     device = "the GPU" if meta.get("device") == "cuda" else "CPU"
+    arch = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[meta.get("arch", "qwen2")]
     return (
         "# mogrpo vs TRL GRPOTrainer, side by side\n\n"
         f"Commands:\n\n{commands}\n\n"
@@ -208,7 +213,8 @@ def to_markdown(results: dict[str, Any]) -> str:
         f"runs started one after the other). Versions: "
         f"{', '.join(f'{k} {v}' for k, v in meta['versions'].items())}; mogrpo rollout engine: "
         f"{meta['mogrpo_engine']}.\n\n"
-        f"Workload: two-digit additions, {s['prompts_per_step']} prompts × "
+        f"Workload: {arch} models built from scratch, two-digit additions, "
+        f"{s['prompts_per_step']} prompts × "
         f"{s['num_generations']} completions per step, ≤ {s['max_completion_length']} new "
         f"tokens, temperature {s['temperature']}, β {s['beta']} (k3), lr {s['learning_rate']} "
         f"constant, token-mean (DAPO) loss, fp32 on {device}, μ = 1; LoRA r {s['lora_r']} "
@@ -234,6 +240,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "threads of busy neighbours stall each other's parallel regions)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both tools train (cuda: the first GPU)")
+    parser.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2",
+                        help="the models' family (the same sizes; default qwen2)")
     parser.add_argument("--mogrpo-engine", default=None,
                         help="set rollout.engine in mogrpo's config (default: mogrpo's own)")
     parser.add_argument("--work", type=Path, default=Path("runs/vs_trl"),
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     bench = Bench(args.work.resolve(), args.steps, args.warmup, args.threads, args.mogrpo_engine,
-                  args.device)
+                  args.device, arch=args.arch)
     prepare(bench, args.sizes)
     results: dict[str, Any] = {"meta": metadata(bench, argv), "entries": []}
     kept = merged_entries(args.out, args.sizes, args.modes) if args.merge else []

@@ -85,8 +85,10 @@ def tokenizer_texts(rows: list[dict[str, Any]]) -> list[str]:
     return [f"{r['prompt']} {r['answer']}" for r in rows]
 
 
-def build_models(work: Path, sizes: list[str], seed: int) -> dict[str, dict[str, Any]]:
-    """Build each size from scratch into `work/models/SIZE`; one tokenizer for all of them.
+def build_models(work: Path, sizes: list[str], seed: int,
+                 arch: str = "qwen2") -> dict[str, dict[str, Any]]:
+    """Build each size from scratch into `work/models/SIZE`, of the family `arch` (a
+    `build_tiny_model` arch: qwen2, qwen3 or llama); one tokenizer for all of them.
 
     Returns per size: the folder, the parameter count and the tokenizer's hash (the same for
     every size, checked here).
@@ -98,12 +100,12 @@ def build_models(work: Path, sizes: list[str], seed: int) -> dict[str, dict[str,
     for name in sizes:
         shape = SIZES[name]
         path = build_tiny_model(
-            work / "models" / name, texts, arch="qwen2", seed=seed, vocab_size=VOCAB_SIZE,
+            work / "models" / name, texts, arch=arch, seed=seed, vocab_size=VOCAB_SIZE,
             hidden_size=shape.hidden_size, num_layers=shape.num_layers,
             num_heads=shape.num_heads, intermediate_size=shape.intermediate_size,
             max_position_embeddings=256,
         )
-        built[name] = {"path": str(path), "params": count_params(path),
+        built[name] = {"path": str(path), "arch": arch, "params": count_params(path),
                        "tokenizer_sha1": _sha1(path / "tokenizer.json"), **asdict(shape)}
     hashes = {b["tokenizer_sha1"] for b in built.values()}
     if len(hashes) > 1:

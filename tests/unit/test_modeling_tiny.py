@@ -62,8 +62,18 @@ def test_qwen2_arch_and_sizes(tiny_texts, tmp_path):
     assert model.config.max_position_embeddings == 128
 
 
+def test_qwen3_arch_has_per_head_norms_of_the_head_size(tiny_texts, tmp_path):
+    out = build_tiny_model(tmp_path / "q3", tiny_texts, arch="qwen3", hidden_size=32,
+                           num_heads=2, num_layers=1, intermediate_size=48)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] == 16  # hidden / heads, not Qwen3's default of 128
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert tuple(model.model.layers[0].self_attn.q_norm.weight.shape) == (16,)
+
+
 def test_unknown_arch_lists_choices(tiny_texts, tmp_path):
-    with pytest.raises(ConfigError, match=r"'gpt9'.*\['llama', 'qwen2'\]"):
+    with pytest.raises(ConfigError, match=r"'gpt9'.*\['llama', 'qwen2', 'qwen3'\]"):
         build_tiny_model(tmp_path / "x", tiny_texts, arch="gpt9")
 
 

@@ -1,6 +1,7 @@
 """The native engine's compiled CPU decode step (`mogrpo.rollout.cpu_kernel`): the same logits
 and caches as the Python step, step after step and as rows leave the batch; the families and
-layers it takes; and the Python step wherever it cannot be built or is switched off."""
+layers it takes (Qwen3's per-head q/k norms among them); and the Python step wherever it cannot
+be built or is switched off."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def assert_close_runs(compiled, python):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel, decode_kernel,
                                                                 monkeypatch):
     from mogrpo.algo.mkl_packed import Packed
@@ -201,6 +202,22 @@ def test_the_stack_refuses_inputs_of_the_wrong_shape(tok, kernel):
         stack.step(torch.zeros(B, 64), turn, decoder.bias, decoder.keys[:1], decoder.values, 1)
     with pytest.raises(ValueError, match="x must be"):  # more rows than it was built for
         stack.step(torch.zeros(B + 1, 64), turn, decoder.bias, decoder.keys, decoder.values, 1)
+
+
+def test_the_stack_refuses_a_per_head_norm_of_another_width(kernel):
+    hidden, D, heads, inter = 32, 8, 4, 48
+    stack = kernel.Stack(0, 4, hidden, D, cpu_kernel.PARALLEL_ATTENTION)
+
+    def add(q_norm):
+        stack.add_layer(torch.ones(hidden), 1e-6, torch.ones(hidden), 1e-6,
+                        torch.zeros(3 * heads * D, hidden), 3 * heads * D, None,
+                        torch.zeros(hidden, heads * D), None, torch.zeros(2 * inter, hidden),
+                        2 * inter, None, torch.zeros(hidden, inter), inter, None, heads, heads,
+                        D ** -0.5, q_norm, 1e-6, torch.ones(D), 1e-6)
+
+    add(torch.ones(D))  # the right width is taken
+    with pytest.raises(ValueError, match="a per-head norm's weight must be float32"):
+        add(torch.ones(D // 2))
 
 
 def test_switched_off_by_the_environment_variable(monkeypatch):

@@ -309,10 +309,34 @@ def test_the_equivalence_tests_run_the_fused_decode_path(family, tok):
     own arithmetic."""
     decoder = NativeDecoder(family_model(family, tok))
     assert decoder.plain is not None  # every family's projections run as plain matmuls
-    assert decoder.rotate_halves == (family != "qwen3")  # Qwen3 normalises q, k per head first
+    assert decoder.rotate_halves  # q and k turned together (Qwen3's heads normalised first)
+    assert (decoder.head_norms[0] is not None) == (family == "qwen3")
     fused_norms = family != "gemma"  # Gemma's norm scales by 1 + weight: its own forward
     assert (decoder.plain[0].norms is not None) == fused_norms
     assert (decoder.final_norm is not None) == fused_norms
+
+
+def test_qwen3_head_norms_run_on_rows_in_either_order(tok, monkeypatch):
+    """Qwen3 normalises each q and k head before the rotation. On rows in `_pair_rows` order
+    (float32 and float64) its norms' weights are reordered with them; in the model's order
+    (the rotate-half path of bf16 and fp16) its modules run. Both give generate()'s greedy
+    completions and the training forward's log-probs."""
+    from mogrpo.rollout import native
+
+    model = family_model("qwen3", tok)
+    weight = model.model.layers[0].self_attn.q_norm.weight
+    assert not torch.equal(weight, torch.ones_like(weight))  # the weights' order matters
+    hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
+    for pairs in (True, False):
+        if not pairs:
+            monkeypatch.setattr(native, "_pairs", lambda lm, halves: False)
+        decoder = NativeDecoder(model)
+        assert decoder.rotate_halves and decoder.pairs == pairs
+        assert (decoder.head_norms[0].paired is not None) == pairs
+        ro = rollout(model, tok, "native", greedy=True, max_new_tokens=10)
+        assert torch.equal(ro.completion_ids, hf.completion_ids)
+        torch.testing.assert_close(ro.sampler_logp, training_logprobs(model, ro, 1.0),
+                                   atol=1e-5, rtol=0)
 
 
 def test_rows_of_one_prompt_are_prefilled_once(tok):

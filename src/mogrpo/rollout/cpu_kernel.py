@@ -12,7 +12,9 @@ agree to float32 rounding, not to the bit.
 
 Built with PyTorch's extension builder on first use (~30 s, with a C++ compiler; the build is
 cached per machine, mogrpo and torch version) and used for float32 models with RMSNorms and
-SiLU MLPs whose q and k the Python step rotates as complex pairs. Without a compiler, or with
+SiLU MLPs whose q and k the Python step rotates as complex pairs: Llama, Mistral, Qwen2, Qwen3
+(its per-head q/k norms too) and Phi-3; not Gemma (its norms scale by 1 + weight, its MLP is
+GELU). Without a compiler, or with
 MOGRPO_DECODE_KERNEL=0, the Python step runs (one log line says why).
 """
 

@@ -56,6 +56,10 @@ struct Layer {
   Product qkv, o, gate_up, down;
   int heads, kv_heads;
   float scaling;
+  // Qwen3's RMSNorms of each q head and each k head before the rotation (weights [D], in the
+  // order of the pairs' rows), or undefined
+  at::Tensor q_norm, k_norm;
+  float q_eps, k_eps;
 };
 
 inline float dot(const float* a, const float* b, int n) {
@@ -87,7 +91,8 @@ class Stack {
         parallel_attention_(parallel_attention),
         max_rows_(static_cast<int>(max_rows)),
         hidden_(static_cast<int>(hidden)),
-        head_dim_(static_cast<int>(head_dim)) {
+        head_dim_(static_cast<int>(head_dim)),
+        head_row_(static_cast<size_t>(head_dim)) {
     if (head_dim % 2) throw std::invalid_argument("the head dimension must be even");
   }
 
@@ -114,7 +119,8 @@ class Stack {
                  pybind11::object gate_up, int64_t gate_up_out,
                  std::optional<at::Tensor> gate_up_bias, pybind11::object down,
                  int64_t intermediate, std::optional<at::Tensor> down_bias, int64_t heads,
-                 int64_t kv_heads, double scaling) {
+                 int64_t kv_heads, double scaling, std::optional<at::Tensor> q_norm,
+                 double q_eps, std::optional<at::Tensor> k_norm, double k_eps) {
     const int64_t D = head_dim_, H = hidden_;
     if (heads % kv_heads || qkv_out != (heads + 2 * kv_heads) * D ||
         gate_up_out != 2 * intermediate)
@@ -124,7 +130,8 @@ class Stack {
                 product_of(o, H, heads * D, o_bias),
                 product_of(gate_up, gate_up_out, H, gate_up_bias),
                 product_of(down, H, intermediate, down_bias), static_cast<int>(heads),
-                static_cast<int>(kv_heads), static_cast<float>(scaling)};
+                static_cast<int>(kv_heads), static_cast<float>(scaling), head_norm_of(q_norm),
+                head_norm_of(k_norm), static_cast<float>(q_eps), static_cast<float>(k_eps)};
     layers_.push_back(std::move(layer));
     widest_ = std::max({widest_, static_cast<int>(qkv_out), static_cast<int>(gate_up_out),
                         static_cast<int>(heads * D), hidden_});
@@ -172,6 +179,12 @@ class Stack {
         const float* turn = tp + static_cast<int64_t>(b) * D;
         for (int hd = 0; hd < turned; ++hd) {
           const float* src = row + hd * D;
+          const at::Tensor& head_norm = hd < heads ? L.q_norm : L.k_norm;
+          if (head_norm.defined()) {  // Qwen3: the head normalised first, into a scratch row
+            rms_norm(src, head_norm.data_ptr<float>(), hd < heads ? L.q_eps : L.k_eps, 1, D,
+                     head_row_.data());
+            src = head_row_.data();
+          }
           float* dst = hd < heads ? q + (static_cast<int64_t>(b) * heads + hd) * D
                                   : kp + b * k0 + (hd - heads) * k1 + column * k2;
 #pragma omp simd
@@ -219,6 +232,14 @@ class Stack {
   }
 
  private:
+  at::Tensor head_norm_of(const std::optional<at::Tensor>& weight) const {
+    if (!weight.has_value()) return at::Tensor();
+    at::Tensor w = weight->contiguous();
+    if (w.numel() != head_dim_ || w.scalar_type() != at::kFloat)
+      throw std::invalid_argument("a per-head norm's weight must be float32 [head dim]");
+    return w;
+  }
+
   static at::Tensor bias_of(const std::optional<at::Tensor>& bias, int64_t size) {
     if (!bias.has_value()) return at::Tensor();
     at::Tensor b = bias->contiguous();
@@ -370,6 +391,7 @@ class Stack {
   int max_rows_, hidden_, head_dim_;
   int widest_ = 0, q_width_ = 0;
   std::vector<Layer> layers_;
+  std::vector<float> head_row_;  // one head normalised by a per-head norm
   at::Tensor norm_, wide_, q_, attended_, scores_, extra_;
 };
 

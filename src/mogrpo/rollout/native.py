@@ -25,7 +25,7 @@ grouped-query attention, an MLP module): Llama, Mistral, Qwen2, Qwen3, Gemma, Ph
 `score_logits()` is the same structure run over whole completions for the passes that need no
 gradient (the KL reference, rollout-time log-probs): each distinct prompt once, the model's own
 linear products, and the log-probs equal the model's forward bit for bit where it applies
-(RMSNorm models without per-head q/k norms: Llama, Mistral, Qwen2, Phi-3). On a CPU it also
+(float32 RMSNorm models: Llama, Mistral, Qwen2, Qwen3, Phi-3). On a CPU it also
 computes the update's forward, with gradients (`trains_here`: the model unwrapped, no
 checkpointing, no dropout left), so the policy's log-probs equal the reference's to the bit
 while their weights are equal.
@@ -115,6 +115,9 @@ class _Attention:
     head_dim: int
     scaling: float
     rotary: object  # the model family's apply_rotary_pos_emb
+    # Qwen3's RMSNorms of each q head and each k head (q_norm, k_norm), run between the
+    # projection and the rotation; None for the families without them
+    head_norms: tuple[nn.Module, nn.Module] | None = None
 
 
 Linear = tuple[Tensor, "Tensor | None"]  # (weight [out, in], bias [out] or None)
@@ -251,6 +254,9 @@ class NativeDecoder:
         self.head_weight = projections.head
         self.rotate_halves = self.plain is not None and halves
         self.pairs = self.rotate_halves and pairs
+        # per layer, Qwen3's norms of each q and k head on the rows as this decoder orders them
+        self.head_norms = [_head_norms(a, self.pairs) if self.rotate_halves else None
+                           for a in self.attention]
         self.final_norm = _rms_norm_of(self.backbone.norm)
         # `_logits`' norm (the decoder runs in inference mode: see `native_decode`)
         self.final_norm_step = _bound_norm(self.backbone.norm, self.final_norm)
@@ -371,10 +377,13 @@ class NativeDecoder:
         D = self.attention[0].head_dim
         bias = self._step_bias(S)
         for i, (norm1, norm2, project_qkv, add_out, project_up, add_down, act, heads, kv_heads,
-                scaling) in enumerate(self.step_layers):
+                scaling, head_norms) in enumerate(self.step_layers):
             qkv = project_qkv(norm1(x))  # [B, (H + 2 H_kv) D]
             turned = heads + kv_heads
-            qk = _rotate_pairs(qkv[:, :turned * D], turned, turns)  # [B, H + H_kv, D]
+            qk = qkv[:, :turned * D]
+            if head_norms is not None:  # Qwen3: each head normalised, then turned
+                qk = head_norms(qk.view(B, turned, D)).view(B, turned * D)
+            qk = _rotate_pairs(qk, turned, turns)  # [B, H + H_kv, D]
             self.keys[i][:, :, column] = qk[:, heads:]
             self.values[i][:, :, column] = qkv[:, turned * D:].view(B, kv_heads, D)
             keys = self.keys[i].view(B * kv_heads, -1, D)[:, :S]  # [B H_kv, S, D]
@@ -393,15 +402,17 @@ class NativeDecoder:
         callables (`_bound_norm`), the q/k/v and gate/up projections as `decode_product`s
         (x -> x w^T + b), o_proj and down_proj as `decode_add_product`s ((acc, x) -> acc +
         x w^T + b: they add into the residual stream), the activation, and the attention's
-        shapes."""
+        shapes and per-head norms."""
         layers = []
-        for layer, p, a in zip(self.layers, self.plain, self.attention, strict=True):
+        for layer, p, a, head_norms in zip(self.layers, self.plain, self.attention,
+                                           self.head_norms, strict=True):
             first, second = p.norms or (None, None)
             norms = (_bound_norm(layer.input_layernorm, first),
                      _bound_norm(layer.post_attention_layernorm, second))
             projections = (decode_product(*p.qkv, rows), decode_add_product(*p.out),
                            decode_product(*p.gate_up, rows), decode_add_product(*p.down))
-            layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling))
+            layers.append((*norms, *projections, p.act, a.heads, a.kv_heads, a.scaling,
+                           head_norms))
         return layers
 
     def keep(self, rows: Tensor) -> None:
@@ -471,6 +482,8 @@ class NativeDecoder:
             qkv = decode_linear(h, *self.plain[i].qkv)  # [B, T, (H + 2 H_kv) D]
             heads = a.heads + a.kv_heads
             qk = qkv[..., :heads * a.head_dim]
+            if self.head_norms[i] is not None:  # Qwen3: each head normalised, then turned
+                qk = self.head_norms[i](qk.unflatten(-1, (heads, a.head_dim))).flatten(-2)
             # [B, T, H + H_kv, D]
             qk = _rotate_pairs(qk, heads, cos) if self.pairs else _turn(qk, heads, cos, sin)
             q, k = qk[:, :, :a.heads].transpose(1, 2), qk[:, :, a.heads:].transpose(1, 2)
@@ -533,14 +546,17 @@ def _compiled_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, b
     stack = kernel.Stack(mkl_packed.compute_address() if packed else 0, rows,
                          decoder.plain[0].qkv[0].shape[1], head_dim,
                          cpu_kernel.PARALLEL_ATTENTION)
-    for p, a, products in zip(decoder.plain, decoder.attention, layers, strict=True):
+    for p, a, products, head_norms in zip(decoder.plain, decoder.attention, layers,
+                                          decoder.head_norms, strict=True):
         (first, eps1), (second, eps2) = p.norms
         (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
+        # Qwen3's per-head q and k norms, their weights in the order of the pairs' rows
+        (q_norm, q_eps), (k_norm, k_eps) = head_norms.paired if head_norms else ((None, 0.0),) * 2
         stack.add_layer(first.detach(), eps1, second.detach(), eps2,
                         qkv, p.qkv[0].shape[0], _detached(qkv_b), out, _detached(out_b),
                         gate_up, p.gate_up[0].shape[0], _detached(gate_up_b),
                         down, p.down[0].shape[1], _detached(down_b),
-                        a.heads, a.kv_heads, a.scaling)
+                        a.heads, a.kv_heads, a.scaling, q_norm, q_eps, k_norm, k_eps)
     if head is None:
         return stack, False
     weight, eps = decoder.final_norm
@@ -631,6 +647,7 @@ def _attention_of(lm: nn.Module) -> list[_Attention]:
             head_dim=head_dim,
             scaling=getattr(attn, "scaling", head_dim**-0.5),
             rotary=sys.modules[type(attn).__module__].apply_rotary_pos_emb,
+            head_norms=(attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None,
         ))
     return found
 
@@ -756,11 +773,14 @@ def _rms(x: Tensor, norm: Norm) -> Tensor:
 
 def _rotate_halves_possible(layers: list[nn.Module], attention: list[_Attention],
                             backbone: nn.Module) -> bool:
-    """Whether q and k can be rotated together on the plain path: no per-head q/k norm between
-    projection and rotation, and rotary tables over the whole head whose halves are equal
-    (cos[j] = cos[j + D/2]: the rotate-half form every supported family uses)."""
-    first = layers[0].self_attn
-    if hasattr(first, "q_norm") or any(a.head_dim % 2 for a in attention):
+    """Whether q and k can be rotated together on the plain path: per-head q/k norms between
+    projection and rotation (Qwen3's), where there are any, RMSNorms over the head
+    (`_head_norm_fits`: their mean is the same whatever the order of a head's rows), and rotary
+    tables over the whole head whose halves are equal (cos[j] = cos[j + D/2]: the rotate-half
+    form every supported family uses)."""
+    if any(a.head_dim % 2 for a in attention) or any(
+            a.head_norms is not None and not all(_head_norm_fits(n, a.head_dim)
+                                                 for n in a.head_norms) for a in attention):
         return False
     weight = next(layers[0].parameters())
     probe = torch.zeros(1, 1, dtype=weight.dtype, device=weight.device)
@@ -769,6 +789,47 @@ def _rotate_halves_possible(layers: list[nn.Module], attention: list[_Attention]
     return cos.shape[-1] == attention[0].head_dim and \
         bool(torch.equal(cos[..., :half], cos[..., half:])) and \
         bool(torch.equal(sin[..., :half], sin[..., half:]))
+
+
+def _head_norm_fits(module: nn.Module, head_dim: int) -> bool:
+    """Whether a per-head q or k norm is an RMSNorm over one head (weight [D], eps)."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__.endswith("RMSNorm") and \
+        getattr(module, "variance_epsilon", None) is not None and \
+        isinstance(weight, Tensor) and tuple(weight.shape) == (head_dim,)
+
+
+@dataclass
+class _HeadNorms:
+    """Qwen3's per-head norms as a decoder runs them: `(qk [..., H + H_kv, D])` normalises each
+    q head by `q` and each k head by `k`, before the rotation."""
+
+    heads: int
+    q: Callable[[Tensor], Tensor]
+    k: Callable[[Tensor], Tensor]
+    # on q/k rows in `_pair_rows` order, each norm's (weight, eps) with the weight reordered
+    # alike (for the compiled step); None where the rows keep the model's order (the modules)
+    paired: tuple[Norm, Norm] | None = None
+
+    def __call__(self, qk: Tensor) -> Tensor:
+        return torch.cat([self.q(qk[..., :self.heads, :]), self.k(qk[..., self.heads:, :])],
+                         dim=-2)
+
+
+def _head_norms(a: _Attention, pairs: bool) -> _HeadNorms | None:
+    """The per-head q/k norms of a layer for a decoder whose q and k rows are in `_pair_rows`
+    order (`pairs`: the weights reordered the same way, an RMSNorm's mean being the same in
+    any order; float32/64) or in the model's (the modules run); None where it has none."""
+    if a.head_norms is None:
+        return None
+    if not pairs:
+        return _HeadNorms(a.heads, *a.head_norms)
+    D = a.head_dim
+    order = torch.arange(D).view(2, D // 2).t().reshape(-1)  # as _pair_order orders a head
+    norms = tuple((m.weight.detach()[order.to(m.weight.device)], float(m.variance_epsilon))
+                  for m in a.head_norms)
+    q, k = (_bound_norm(m, n) for m, n in zip(a.head_norms, norms, strict=True))
+    return _HeadNorms(a.heads, q, k, paired=norms)
 
 
 def _project_qkv(attn: nn.Module, h: Tensor, a: _Attention) -> tuple[Tensor, Tensor, Tensor]:
@@ -994,8 +1055,8 @@ class _ScoringLayer:
 
 def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
     """Every layer's weights for `score_logits`, or None when a layer does not fit: a norm
-    other than float32 RMSNorm, a per-head q/k norm, rotary tables not in rotate-half form, or
-    a projection `_scoring_linear` cannot read."""
+    other than float32 RMSNorm, a per-head q/k norm other than an RMSNorm over the head, rotary
+    tables not in rotate-half form, or a projection `_scoring_linear` cannot read."""
     layers, (attention, halves) = list(lm.model.layers), _layout_of(lm)
     if not halves:
         return None
@@ -1154,6 +1215,10 @@ def _scoring_qkv(layer: _ScoringLayer, h: Tensor, cos: Tensor, sin: Tensor,
             [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
     else:
         q, k, v = (project(h, *w) for w in layer.qkv)
+    if a.head_norms is not None:  # Qwen3: each head through its module, as the model does
+        q_norm, k_norm = a.head_norms
+        q = q_norm(q.unflatten(-1, (a.heads, a.head_dim))).flatten(-2)
+        k = k_norm(k.unflatten(-1, (a.kv_heads, a.head_dim))).flatten(-2)
     q = _turn(q, a.heads, cos, sin).transpose(1, 2)
     k = _turn(k, a.kv_heads, cos, sin).transpose(1, 2)
     return q, k, v.unflatten(-1, (a.kv_heads, a.head_dim)).transpose(1, 2)
