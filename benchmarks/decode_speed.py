@@ -1,8 +1,9 @@
 """Decode speed of the rollout engines at equal batch: completion tokens per second.
 
-Builds the vs_trl benchmark's Qwen2 models from scratch (three sizes, one tokenizer), then times
-`generate_rollout` with `engine="hf"` (transformers' generate) and `engine="native"` on the
-same prompts, K and settings, alternating the engines run by run. No stop id can occur, so
+Builds the vs_trl benchmark's Qwen2 models (`--arch`: Qwen3 or Llama of the same shapes) from
+scratch (three sizes, one tokenizer), then times `generate_rollout` with `engine="hf"`
+(transformers' generate) and `engine="native"` on the same prompts, K and settings,
+alternating the engines run by run. No stop id can occur, so
 every row decodes the full budget and the engines do the same number of tokens.
 
 `native` runs twice: as a training rollout does, fusing and packing the weights at every call
@@ -15,6 +16,7 @@ own speed-up.
 
     python benchmarks/decode_speed.py                     # all sizes, 5 repeats
     python benchmarks/decode_speed.py --sizes small --repeats 3
+    python benchmarks/decode_speed.py --arch qwen3 --out benchmarks/results/decode_speed_qwen3
     python benchmarks/decode_speed.py --device cuda --sizes small large xl --prompts 16 --k 8
 
 On a GPU (`--device cuda`) the work is asynchronous and CPU time means little: read the ratios
@@ -107,6 +109,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the vs_trl default, steadier on a shared machine)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2",
+                        help="the models' family (the vs_trl sizes; default qwen2)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_speed")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -118,7 +122,7 @@ def main() -> None:
     rows = []
     compiled = args.device == "cpu" and cpu_kernel.module() is not None
     arms = (*ARMS, PYTHON_ARM) if compiled else ARMS
-    for size, model, tok in workload.loaded_models(args.sizes):
+    for size, model, tok in workload.loaded_models(args.sizes, arch=args.arch):
         model.to(args.device)
         held_model = copy.deepcopy(model)  # its projections are held; `model`'s are not
         models = {"hf": (model, "hf"), "native": (model, "native"),
@@ -159,6 +163,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
             "cpu": cpu_name(), "host_memory": host_memory, "device": args.device,
+            "arch": args.arch,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
             "decode_step": "compiled" if compiled else "Python"}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -113,13 +113,15 @@ def build_models(work: Path, sizes: list[str], seed: int,
     return built
 
 
-def loaded_models(sizes: list[str], seed: int = 0) -> Iterator[tuple[str, Any, Any]]:
-    """(size, model in eval mode, tokenizer) for each size, built in a temporary directory
-    that is removed after the last (for the benchmarks that time one process's engines)."""
+def loaded_models(sizes: list[str], seed: int = 0,
+                  arch: str = "qwen2") -> Iterator[tuple[str, Any, Any]]:
+    """(size, model in eval mode, tokenizer) for each size (of the family `arch`), built in a
+    temporary directory that is removed after the last (for the benchmarks that time one
+    process's engines)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        built = build_models(Path(tmp), sizes, seed)
+        built = build_models(Path(tmp), sizes, seed, arch)
         for size in sizes:
             path = built[size]["path"]
             yield (size, AutoModelForCausalLM.from_pretrained(path).eval(),
