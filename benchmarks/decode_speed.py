@@ -47,7 +47,7 @@ import torch
 from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.rollout import cpu_kernel
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
-from mogrpo.rollout.native import held_projections
+from mogrpo.rollout.projections import held_projections
 from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent

@@ -138,13 +138,13 @@ def test_on_a_cpu_batches_reuse_freed_memory_as_training_steps_do(b_model, tmp_p
 def test_batches_decode_on_one_build_of_the_weights(b_model, tmp_path, monkeypatch):
     """Batch after batch decodes with the same weights: they are fused and packed once
     (`held_projections`) for the whole file, and let go at the end."""
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     built = []
-    build = native._build_projections
-    monkeypatch.setattr(native, "_build_projections", lambda *a: built.append(1) or build(*a))
+    build = projections._build_projections
+    monkeypatch.setattr(projections, "_build_projections", lambda *a: built.append(1) or build(*a))
     data = write_tsv(tmp_path / "test.tsv", HEADER, ROWS)
     out = tmp_path / "s.csv"
     assert main(["predict", str(b_model), str(data), "--out", str(out), "--batch-size", "2"]) == 0
     assert read_csv(out) == [["id", "answer"]] + [[row[0], "B"] for row in ROWS]  # 3 batches
-    assert len(built) == 1 and not native._HELD
+    assert len(built) == 1 and not projections._HELD

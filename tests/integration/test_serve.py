@@ -178,21 +178,21 @@ def test_close_stops_serving(seven):
 
 
 def test_requests_decode_on_one_build_of_the_weights_until_the_server_stops(seven, monkeypatch):
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     built = []
-    build = native._build_projections
-    monkeypatch.setattr(native, "_build_projections", lambda *a: built.append(1) or build(*a))
+    build = projections._build_projections
+    monkeypatch.setattr(projections, "_build_projections", lambda *a: built.append(1) or build(*a))
     server, thread = start_server(str(seven), port=0, max_new_tokens=4)
-    model = native.unwrap_causal_lm(server.batcher.model)
+    model = projections.unwrap_causal_lm(server.batcher.model)
     for content in ("hi", "again", "and again"):
         status, body = post(server, {"messages": [{"role": "user", "content": content}],
                                      "temperature": 0})
         assert status == 200 and body["choices"][0]["message"]["content"] == "7"
-    assert len(built) == 1 and model in native._HELD  # fused and packed once for all three
+    assert len(built) == 1 and model in projections._HELD  # fused and packed once for all three
     server.close()
     thread.join(timeout=10)
-    assert not server.batcher.thread.is_alive() and model not in native._HELD
+    assert not server.batcher.thread.is_alive() and model not in projections._HELD
 
 
 def test_on_a_cpu_requests_reuse_freed_memory_as_training_steps_do(seven, monkeypatch):

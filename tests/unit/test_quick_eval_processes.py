@@ -86,12 +86,12 @@ def test_every_batch_of_the_eval_decodes_on_one_build_of_the_weights(ctx, tmp_pa
                                                                      monkeypatch):
     """The quick eval's batches (3 of each task here) share one fused, packed copy of the
     weights (`held_projections`), let go when the eval ends."""
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     monkeypatch.setenv("SCORED_LOG", str(tmp_path / "scored.jsonl"))
     built = []
-    build = native._build_projections
-    monkeypatch.setattr(native, "_build_projections", lambda *a: built.append(1) or build(*a))
+    build = projections._build_projections
+    monkeypatch.setattr(projections, "_build_projections", lambda *a: built.append(1) or build(*a))
     results = evaluate(ctx, batch_size=3)
     assert len(results) == 2 and all(r.num_samples == 7 for r in results.values())
-    assert len(built) == 1 and not native._HELD
+    assert len(built) == 1 and not projections._HELD

@@ -322,9 +322,9 @@ def test_a_decoder_built_outside_inference_mode_after_one_inside(tok):
     """Decoders share each shape's q/k row order (cached); one made inside inference mode, as
     `native_decode` runs, must not break a decoder built outside it: Qwen2's q/k/v biases are
     reordered by it, and are copies that need no gradient."""
-    from mogrpo.rollout import native
+    from mogrpo.rollout import layer_ops
 
-    native._pair_order.cache_clear()
+    layer_ops.pair_order.cache_clear()
     model = model_of("qwen2", tok)
     with torch.inference_mode():
         NativeDecoder(model)

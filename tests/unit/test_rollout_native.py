@@ -75,7 +75,7 @@ def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kern
 
 def test_the_output_head_is_laid_out_for_the_decode_kernel_up_to_a_size(tok, monkeypatch):
     from mogrpo.algo import cpu_linear, mkl_packed
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     if not mkl_packed.works():
         pytest.skip("this torch exports no MKL packed product")
@@ -88,7 +88,7 @@ def test_the_output_head_is_laid_out_for_the_decode_kernel_up_to_a_size(tok, mon
     x = torch.randn(3, head.shape[1])
     torch.testing.assert_close(cpu_linear.decode_linear(x, packed), x @ head.detach().t(),
                                atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(native, "HEAD_COPY_MAX_BYTES", head.numel() * 4 - 1)
+    monkeypatch.setattr(projections, "HEAD_COPY_MAX_BYTES", head.numel() * 4 - 1)
     assert NativeDecoder(model).head_weight is head  # a larger one: read in place
 
 
@@ -138,13 +138,13 @@ def test_draw_follows_the_probabilities_and_never_picks_a_zero():
 
 
 def test_generation_batch_size_splits_without_changing_greedy_output(tok, monkeypatch):
-    from mogrpo.rollout import native
+    from mogrpo.rollout import native, projections
 
     model = family_model("llama", tok)
     whole = rollout(model, tok, "native", k=3, greedy=True, max_new_tokens=8)
     builds = []
-    build = native.plain_projections
-    monkeypatch.setattr(native, "plain_projections",
+    build = projections.plain_projections
+    monkeypatch.setattr(projections, "plain_projections",
                         lambda *a, **kw: builds.append(1) or build(*a, **kw))
     decoders = []
     prefill = native.NativeDecoder.prefill
@@ -166,14 +166,14 @@ def test_generation_batch_size_splits_without_changing_greedy_output(tok, monkey
 def test_weight_copies_follow_the_callers_budget(tok):
     """The native engine decodes on fused, packed copies of the weights up to a budget (by
     default PLAIN_MAX_BYTES), beyond it through the model's modules, with the same tokens."""
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     model = family_model("qwen2", tok)
     linear = sum(m.weight.numel() * 4 for m in model.model.layers.modules()
                  if isinstance(m, torch.nn.Linear))
-    assert native.decode_projections(model).layers is not None  # far below the default
-    assert native.decode_projections(model, linear).layers is not None
-    assert native.decode_projections(model, linear - 1).layers is None
+    assert projections.decode_projections(model).layers is not None  # far below the default
+    assert projections.decode_projections(model, linear).layers is not None
+    assert projections.decode_projections(model, linear - 1).layers is None
     settings = SamplingSettings(greedy=True, max_new_tokens=8)
     runs = [generate_rollout(model, tok, PROMPTS, settings, num_generations=2,
                              max_prompt_length=32, plain_max_bytes=b) for b in (None, 1)]
@@ -187,7 +187,7 @@ def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypa
     import gc
 
     from mogrpo.algo import cpu_linear, mkl_packed
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     if not mkl_packed.works():
         pytest.skip("this torch exports no MKL packed product")
@@ -197,10 +197,10 @@ def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypa
     mkl_packed.POOL.clear()
 
     def addresses() -> list[int]:
-        projections = native.decode_projections(model)
-        return [w.address for layer in projections.layers
+        held = projections.decode_projections(model)
+        return [w.address for layer in held.layers
                 for w, _ in (layer.qkv, layer.out, layer.gate_up, layer.down)] + \
-            [projections.head.address]
+            [held.head.address]
 
     first = addresses()
     gc.collect()
@@ -209,14 +209,14 @@ def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypa
         model.model.layers[0].mlp.down_proj.weight.add_(1.0)  # an optimizer step, say
     assert sorted(addresses()) == sorted(first)  # the same buffers, packed anew
     gc.collect()
-    decoded = native.NativeDecoder(model)  # packed from the changed weights
+    decoded = NativeDecoder(model)  # packed from the changed weights
     x = torch.randn(3, model.config.intermediate_size)
     torch.testing.assert_close(
         cpu_linear.decode_linear(x, decoded.plain[0].down[0]),
         x @ model.model.layers[0].mlp.down_proj.weight.detach().t(), atol=1e-4, rtol=1e-5)
     del decoded
     mkl_packed.POOL.clear()
-    monkeypatch.setattr(native, "KEEP_MAX_BYTES", 0)
+    monkeypatch.setattr(projections, "KEEP_MAX_BYTES", 0)
     addresses()
     gc.collect()
     assert mkl_packed.POOL.kept_bytes() == 0
@@ -317,11 +317,11 @@ def test_the_equivalence_tests_run_the_fused_decode_path(family, tok):
 
 
 def test_qwen3_head_norms_run_on_rows_in_either_order(tok, monkeypatch):
-    """Qwen3 normalises each q and k head before the rotation. On rows in `_pair_rows` order
+    """Qwen3 normalises each q and k head before the rotation. On rows in `pair_rows` order
     (float32 and float64) its norms' weights are reordered with them; in the model's order
     (the rotate-half path of bf16 and fp16) its modules run. Both give generate()'s greedy
     completions and the training forward's log-probs."""
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     model = family_model("qwen3", tok)
     weight = model.model.layers[0].self_attn.q_norm.weight
@@ -329,7 +329,7 @@ def test_qwen3_head_norms_run_on_rows_in_either_order(tok, monkeypatch):
     hf = rollout(model, tok, "hf", greedy=True, max_new_tokens=10)
     for pairs in (True, False):
         if not pairs:
-            monkeypatch.setattr(native, "_pairs", lambda lm, halves: False)
+            monkeypatch.setattr(projections, "_pairs", lambda lm, halves: False)
         decoder = NativeDecoder(model)
         assert decoder.rotate_halves and decoder.pairs == pairs
         assert (decoder.head_norms[0].paired is not None) == pairs
@@ -387,11 +387,13 @@ def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
     """With each head's rows interleaved, one complex product per pair is the rotation of
     rotate_half; the decoder reorders q and k alike, so attention scores do not change.
     `_fuse` reorders the rows of the q, k and v projections as it joins them."""
-    from mogrpo.rollout.native import _Attention, _fuse, _halves, _pair_rows, _rotate_pairs, _turn
+    from mogrpo.rollout.layer_ops import rotate_pairs, turn_halves, turn_tables
+    from mogrpo.rollout.layout import Attention
+    from mogrpo.rollout.projections import _fuse, pair_rows
 
     torch.manual_seed(0)
     heads, kv_heads, D = 4, 2, 8
-    attention = _Attention(module=None, heads=heads, kv_heads=kv_heads, head_dim=D, scaling=1.0,
+    attention = Attention(module=None, heads=heads, kv_heads=kv_heads, head_dim=D, scaling=1.0,
                            rotary=None)
     rows = (heads + 2 * kv_heads) * D
     weight, bias = torch.randn(rows, 16), torch.randn(rows)
@@ -399,16 +401,16 @@ def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
     angles = torch.rand(3, 5, D // 2) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [3, 5, D]
     plain = torch.nn.functional.linear(h, weight, bias)
-    half_cos, half_sin = _halves(cos, sin)
-    want = _turn(plain[..., :(heads + kv_heads) * D], heads + kv_heads,
+    half_cos, half_sin = turn_tables(cos, sin)
+    want = turn_halves(plain[..., :(heads + kv_heads) * D], heads + kv_heads,
                  half_cos[:, :, None], half_sin[:, :, None])  # [3, 5, H + H_kv, D]
     q_end, k_end = heads * D, (heads + kv_heads) * D
     parts = [(weight[a:b], bias[a:b]) for a, b in ((0, q_end), (q_end, k_end), (k_end, rows))]
-    w2, b2 = _fuse(parts, _pair_rows(attention, rows, weight.device))
-    order = _pair_rows(attention, rows, weight.device)
+    w2, b2 = _fuse(parts, pair_rows(attention, rows, weight.device))
+    order = pair_rows(attention, rows, weight.device)
     assert torch.equal(w2, weight[order]) and torch.equal(b2, bias[order])
     pairs = torch.nn.functional.linear(h, w2, b2)
-    got = _rotate_pairs(pairs[..., :(heads + kv_heads) * D], heads + kv_heads,
+    got = rotate_pairs(pairs[..., :(heads + kv_heads) * D], heads + kv_heads,
                         torch.complex(angles.cos(), angles.sin())[:, :, None])
     order = torch.arange(D).view(2, D // 2).t().reshape(-1)  # the interleaved order of a head
     torch.testing.assert_close(got, want[..., order], atol=1e-5, rtol=1e-5)
@@ -422,15 +424,15 @@ def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
 
 @pytest.mark.parametrize("width", [64, 128, 256, 896, 1536])
 def test_the_decode_steps_rms_norm_equals_the_models_to_the_bit(width):
-    """The decode step's RMSNorm (`_rms_norm_step`, seven small operations) gives the values of
+    """The decode step's RMSNorm (`rms_norm_step`, seven small operations) gives the values of
     `torch.rms_norm` and of the model families' own RMSNorm module exactly."""
-    from mogrpo.rollout.native import _rms_norm_step
+    from mogrpo.rollout.layer_ops import rms_norm_step
 
     torch.manual_seed(width)
     module = transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm(width, eps=1e-6)
     with torch.no_grad():
         module.weight.normal_()
-    norm = _rms_norm_step(module.weight, module.variance_epsilon)
+    norm = rms_norm_step(module.weight, module.variance_epsilon)
     with torch.inference_mode():
         for rows, scale in ((16, 1.0), (3, 100.0), (1, 1e-3)):
             x = torch.randn(rows, width) * scale
@@ -447,49 +449,49 @@ def test_held_projections_are_built_once_until_the_weights_change(tok):
     optimizer step, a load) or switching LoRA adapters builds them anew, and nothing is held
     after the context."""
     from mogrpo.algo.cpu_linear import decode_linear
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     model = family_model("qwen2", tok)
     settings = {"greedy": True, "max_new_tokens": 6}
     before = rollout(model, tok, "native", **settings).completion_ids
-    assert native.decode_projections(model) is not native.decode_projections(model)
-    with native.held_projections(model):
-        first = native.decode_projections(model)
-        assert native.decode_projections(model) is first
+    assert projections.decode_projections(model) is not projections.decode_projections(model)
+    with projections.held_projections(model):
+        first = projections.decode_projections(model)
+        assert projections.decode_projections(model) is first
         assert torch.equal(rollout(model, tok, "native", **settings).completion_ids,
                            before)
-        with native.held_projections(model):  # nested: the outer context holds them
-            assert native.decode_projections(model) is first
-        assert native.decode_projections(model) is first
-        assert native.decode_projections(model, 10**9) is not first  # another budget
+        with projections.held_projections(model):  # nested: the outer context holds them
+            assert projections.decode_projections(model) is first
+        assert projections.decode_projections(model) is first
+        assert projections.decode_projections(model, 10**9) is not first  # another budget
         with torch.no_grad():
             model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
-        changed = native.decode_projections(model)
-        assert changed is not first and native.decode_projections(model) is changed
+        changed = projections.decode_projections(model)
+        assert changed is not first and projections.decode_projections(model) is changed
         x = torch.randn(3, model.config.intermediate_size)
         torch.testing.assert_close(  # built from the changed weights
             decode_linear(x, changed.layers[1].down[0]),
             x @ model.model.layers[1].mlp.down_proj.weight.detach().t(), atol=1e-4, rtol=1e-5)
         flipped = rollout(model, tok, "native", **settings).completion_ids
         assert torch.equal(flipped, rollout(model, tok, "hf", **settings).completion_ids)
-    assert not native._HELD
-    assert native.decode_projections(model) is not native.decode_projections(model)
+    assert not projections._HELD
+    assert projections.decode_projections(model) is not projections.decode_projections(model)
 
 
 def test_held_projections_follow_lora_adapters_switched_on_and_off(tok):
     from mogrpo.algo.cpu_linear import decode_linear
-    from mogrpo.rollout import native
+    from mogrpo.rollout import projections
 
     model = apply_lora(family_model("llama", tok), LoraSettings(r=4, alpha=8, dropout=0.0))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)  # adapters that change the outputs
-    with native.held_projections(model):
-        on = native.decode_projections(model)
+    with projections.held_projections(model):
+        on = projections.decode_projections(model)
         with model.disable_adapter():
-            off = native.decode_projections(model)
-            assert off is not on and native.decode_projections(model) is off
-        back = native.decode_projections(model)
+            off = projections.decode_projections(model)
+            assert off is not on and projections.decode_projections(model) is off
+        back = projections.decode_projections(model)
         assert back is not off
         x = torch.randn(2, model.config.hidden_size)
         assert not torch.allclose(decode_linear(x, *on.layers[0].qkv),
@@ -503,16 +505,16 @@ def test_off_cpus_the_decode_step_keeps_torch_rms_norm():
     step calls `torch.rms_norm` itself."""
     import functools
 
-    from mogrpo.rollout.native import _bound_norm
+    from mogrpo.rollout.layer_ops import bound_norm
 
     module = transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm(8)
-    on_cpu = _bound_norm(module, (module.weight, 1e-6))
+    on_cpu = bound_norm(module, (module.weight, 1e-6))
     assert not isinstance(on_cpu, functools.partial)
     meta = torch.empty(8, device="meta")
-    elsewhere = _bound_norm(module, (meta, 1e-6))
+    elsewhere = bound_norm(module, (meta, 1e-6))
     assert isinstance(elsewhere, functools.partial) and elsewhere.func is torch.rms_norm
     assert elsewhere.keywords["weight"] is meta
-    assert _bound_norm(module, None) is module  # no fused weights: the module runs
+    assert bound_norm(module, None) is module  # no fused weights: the module runs
 
 
 def test_rotary_rows_of_the_kept_table_are_the_modules_values(tok):
@@ -520,13 +522,14 @@ def test_rotary_rows_of_the_kept_table_are_the_modules_values(tok):
     model's rotary module gives the same positions; built again for a longer sequence, another
     dtype, or frequencies changed in place; usable by a forward with gradients when first
     built in inference mode."""
-    from mogrpo.rollout.native import _half_tables, _halves
+    from mogrpo.rollout.layer_ops import turn_tables
+    from mogrpo.rollout.scoring import _half_tables
 
     model = family_model("qwen2", tok)
     backbone = model.model
 
     def module_tables(positions, dtype=torch.float32):
-        cos, sin = _halves(*backbone.rotary_emb(torch.zeros(1, dtype=dtype), positions))
+        cos, sin = turn_tables(*backbone.rotary_emb(torch.zeros(1, dtype=dtype), positions))
         return cos[:, :, None], sin[:, :, None]
 
     g = torch.Generator().manual_seed(0)

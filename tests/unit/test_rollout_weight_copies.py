@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import mogrpo.train.grpo as grpo
-from mogrpo.rollout.native import PLAIN_MAX_BYTES
+from mogrpo.rollout.projections import PLAIN_MAX_BYTES
 
 
 def distinct_chars(prompts: list[str], completions: list[str], **columns) -> list[float]:

@@ -151,7 +151,7 @@ def test_gradient_checkpointing_keeps_the_one_pass():
     assert shares_prompts(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert not shares_prompts(model)
-    from mogrpo.rollout.native import score_logits
+    from mogrpo.rollout.scoring import score_logits
 
     assert score_logits(model, *_batch()) is None  # nor mogrpo's forward, which keeps all
 
@@ -163,7 +163,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, sys.argv[2])
 from architectures import family_config
 from mogrpo.algo.logprobs import shares_prompts
-from mogrpo.rollout.native import score_logits
+from mogrpo.rollout.scoring import score_logits
 from mogrpo.train.distributed import DRAIN_S
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=300))
@@ -196,14 +196,14 @@ def test_ddp_and_fsdp2_keep_the_one_pass_and_fsdp2_its_own_forward(tmp_path):
     assert done.stdout.split() == ["True", "False", "False", "True", "True", "True", "True"]
 
 
-# mogrpo's own forward for passes without gradients (rollout/native.score_logits)
+# mogrpo's own forward for passes without gradients (rollout/scoring.score_logits)
 SCORED = {"llama", "llama_tied", "qwen2", "qwen3", "mistral", "phi3"}
 
 
 @pytest.mark.parametrize(("family", "changes"), CASES,
                          ids=[f + ("-window4" if c else "") for f, c in CASES])
 def test_scoring_forward_gives_the_models_log_probs_bit_for_bit(family, changes):
-    from mogrpo.rollout.native import score_logits
+    from mogrpo.rollout.scoring import score_logits
 
     model = _model(family, **changes).eval()
     batch = _batch()
@@ -222,7 +222,7 @@ def test_scoring_forward_gives_the_models_log_probs_bit_for_bit(family, changes)
 def test_scoring_forward_reads_base_weights_only_with_adapters_off():
     from peft import LoraConfig, get_peft_model
 
-    from mogrpo.rollout.native import score_logits
+    from mogrpo.rollout.scoring import score_logits
 
     model = get_peft_model(_model("qwen2"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                       target_modules="all-linear",
@@ -240,7 +240,7 @@ def test_scoring_forward_reads_base_weights_only_with_adapters_off():
 
 
 def test_scoring_forward_handles_one_token():
-    from mogrpo.rollout.native import score_logits
+    from mogrpo.rollout.scoring import score_logits
 
     model = _model("llama").eval()
     batch = _batch()
@@ -264,7 +264,7 @@ def training_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(SCORED))
 def test_the_update_forward_gives_the_models_log_probs_and_gradients(family, training_kernel):
-    from mogrpo.rollout.native import score_logits
+    from mogrpo.rollout.scoring import score_logits
 
     model = _model(family)
     batch = _batch()
@@ -284,7 +284,7 @@ def test_the_update_forward_gives_the_models_log_probs_and_gradients(family, tra
 
 
 def test_the_update_forward_is_the_models_own_where_dropout_is_left():
-    from mogrpo.rollout.native import score_logits
+    from mogrpo.rollout.scoring import score_logits
 
     model = _model("llama")
     batch = _batch()
@@ -295,7 +295,7 @@ def test_the_update_forward_is_the_models_own_where_dropout_is_left():
 
 
 def test_the_update_forward_keeps_a_compiled_models_own():
-    from mogrpo.rollout.native import score_logits, trains_here
+    from mogrpo.rollout.scoring import score_logits, trains_here
 
     model = _model("llama")
     assert trains_here(model)

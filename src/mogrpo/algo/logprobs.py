@@ -285,7 +285,7 @@ def completion_logprobs(
 
     ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups)`` may
     compute the [B, C, V] logits of rows that share prompts instead (mogrpo's own forward for
-    passes without gradients, `mogrpo.rollout.native.score_logits`); where it returns None the
+    passes without gradients, `mogrpo.rollout.scoring.score_logits`); where it returns None the
     model's forward runs.
     """
     args = (prompt_ids, prompt_mask, completion_ids, completion_mask)

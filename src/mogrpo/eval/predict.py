@@ -127,7 +127,7 @@ def predict(model: Any, tokenizer: Any, examples: list[Example], ids: list[str],
     from mogrpo.modeling.chat import render_prompt
     from mogrpo.rewards.extract import extract_choice
     from mogrpo.rollout.generate import SamplingSettings, generate_rollout
-    from mogrpo.rollout.native import held_projections
+    from mogrpo.rollout.projections import held_projections
 
     greedy = SamplingSettings(max_new_tokens=settings.max_new_tokens, greedy=True)
     out: list[Prediction] = []

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
 from mogrpo.rollout.generate import generate_rollout
-from mogrpo.rollout.native import held_projections
+from mogrpo.rollout.projections import held_projections
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter

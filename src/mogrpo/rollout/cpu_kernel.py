@@ -28,9 +28,19 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mogrpo.algo import mkl_packed
+from mogrpo.algo.mkl_packed import Packed
+
+if TYPE_CHECKING:
+    from mogrpo.rollout.native import NativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -160,3 +170,68 @@ def _build(name: str, directory: Path):
     return load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
                 extra_cflags=["-O3", "-fopenmp-simd", *_FLAGS.get(capability, [])],
                 verbose=False)
+
+
+def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, bool]:
+    """(The compiled step of a `NativeDecoder`'s layers for at most `rows` rows, whether it
+    computes the logits too), or (None, False) where it cannot run the layers: no compiled
+    module here, or a layer whose norms are not RMSNorms, whose activation is not SiLU or whose
+    products are not float32 weights (MKL or oneDNN packed, or plain). The logits too where
+    the final norm is an RMSNorm and the head such a weight (`projections._head_weight`)."""
+    kernel = module()
+    if kernel is None or decoder.plain is None:
+        return None, False
+    head_dim = decoder.attention[0].head_dim
+    if any(a.head_dim != head_dim or a.heads % a.kv_heads for a in decoder.attention):
+        return None, False
+    layers = []
+    for p in decoder.plain:
+        products = [(_compiled_weight(w), b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
+        if p.norms is None or not _silu(p.act) or any(w is None for w, _ in products):
+            return None, False
+        layers.append(products)
+    head = None  # the head's weight as the stack takes it, where it computes the logits
+    if decoder.final_norm is not None and decoder.head_weight is not None:
+        head = _compiled_weight(decoder.head_weight)
+    # MKL's compute function where some product is MKL-packed (its weight an address)
+    packed = any(isinstance(w, int) for w in [head, *(w for layer in layers for w, _ in layer)])
+    stack = kernel.Stack(mkl_packed.compute_address() if packed else 0, rows,
+                         decoder.plain[0].qkv[0].shape[1], head_dim, PARALLEL_ATTENTION)
+    for p, a, products, head_norms in zip(decoder.plain, decoder.attention, layers,
+                                          decoder.head_norms, strict=True):
+        (first, eps1), (second, eps2) = p.norms
+        (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
+        # Qwen3's per-head q and k norms, their weights in the order of the pairs' rows
+        (q_norm, q_eps), (k_norm, k_eps) = head_norms.paired if head_norms else ((None, 0.0),) * 2
+        stack.add_layer(first.detach(), eps1, second.detach(), eps2,
+                        qkv, p.qkv[0].shape[0], _detached(qkv_b), out, _detached(out_b),
+                        gate_up, p.gate_up[0].shape[0], _detached(gate_up_b),
+                        down, p.down[0].shape[1], _detached(down_b),
+                        a.heads, a.kv_heads, a.scaling, q_norm, q_eps, k_norm, k_eps)
+    if head is None:
+        return stack, False
+    weight, eps = decoder.final_norm
+    stack.set_head(weight.detach(), eps, head, decoder.head_weight.shape[0],
+                   _detached(decoder.head.bias))
+    return stack, True
+
+
+def _compiled_weight(w: Tensor | Packed) -> int | Tensor | None:
+    """A product's weight as the compiled step takes it: an MKL pack's address, or a float32 CPU
+    tensor [out, in] (oneDNN's packed layout or plain); None for anything else."""
+    if isinstance(w, Packed):
+        return w.address
+    if isinstance(w, Tensor) and w.dtype == torch.float32 and w.dim() == 2 and \
+            w.device.type == "cpu":
+        return w.detach()
+    return None
+
+
+def _silu(act: Callable) -> bool:
+    """Whether a layer's activation is SiLU (torch's module or function, transformers')."""
+    return act is F.silu or type(act) is nn.SiLU or (
+        type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers"))
+
+
+def _detached(bias: Tensor | None) -> Tensor | None:
+    return None if bias is None else bias.detach()

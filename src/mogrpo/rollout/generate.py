@@ -20,14 +20,10 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokeni
 
 from mogrpo.config.sections import RolloutConfig, RolloutEngine
 from mogrpo.errors import ConfigError, DataError
-from mogrpo.rollout.native import (
-    Decoded,
-    decode_attention,
-    decode_projections,
-    native_decode,
-    unsupported_reason,
-)
+from mogrpo.rollout.layout import unsupported_reason
+from mogrpo.rollout.native import Decoded, decode_attention, native_decode
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
+from mogrpo.rollout.projections import decode_projections
 
 logger = logging.getLogger(__name__)
 

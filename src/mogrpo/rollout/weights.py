@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mogrpo.errors import ModelError
-from mogrpo.rollout.native import unwrap_causal_lm
+from mogrpo.rollout.layout import unwrap_causal_lm
 
 
 def _lora_layer_type() -> type | None:

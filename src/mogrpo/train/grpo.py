@@ -32,7 +32,7 @@ from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
-from mogrpo.rollout.native import score_logits
+from mogrpo.rollout.scoring import score_logits
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -347,26 +347,8 @@ class GRPOTrainer:
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
                     totals["tokens"] += out.num_tokens
                     totals["entropy"] += float(entropy[loss_mask[rows, :width].bool()].sum())
-            # the engine reduced them: the full-batch gradient (FSDP2: this process's shard)
-            params = [p for p in self.ctx.policy.parameters() if p.requires_grad]
-            grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
-            if torch.isfinite(grad_norm):
-                # How far the weights moved (0 = nothing is learned), a chunk of weights at a
-                # time (`step_with_update_norms`): for adapters and small models only, where the
-                # extra optimizer calls cost nothing that counts.
-                small = sum(p.numel() for p in params) <= UPDATE_NORM_MAX_PARAMS
-                if it == 0 and small:
-                    diffs = step_with_update_norms(self.optimizer)
-                    totals["update_norm"] = float(self.parallel.global_norm(diffs))
-                else:
-                    self.optimizer.step()
-                    if it == 0:  # too large: not measured (μ > 1 keeps the first pass's)
-                        totals["update_norm"] = float("nan")
-            else:  # a non-finite gradient would poison AdamW's moments; skip and count it
-                self.skipped_updates += 1
-                log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
-            self.scheduler.step()
-            totals["grad_norm"] += float(grad_norm) / algo.num_iterations
+            totals["grad_norm"] += self._apply_gradients(totals if it == 0 else None) \
+                / algo.num_iterations
         # free the gradients now rather than at the next update: the rollout in between uses
         # that memory (vLLM wakes into it; the native engine's weight copies, the KV cache)
         self.optimizer.zero_grad(set_to_none=True)
@@ -384,6 +366,31 @@ class GRPOTrainer:
             metrics[names.SAMPLER_IS_WEIGHT] = totals["is_weight"] / tokens
             metrics[names.SAMPLER_IS_CAPPED_FRAC] = totals["is_capped"] / tokens
         return metrics | self._task_kl(batch.task_ids.cpu(), seq_kl)
+
+    def _apply_gradients(self, totals: dict | None) -> float:
+        """Clip the accumulated gradients and take the optimizer and scheduler steps; the
+        gradient norm. With `totals` (the first of the μ passes) it records how far the
+        weights moved there."""
+        # the engine reduced them: the full-batch gradient (FSDP2: this process's shard)
+        params = [p for p in self.ctx.policy.parameters() if p.requires_grad]
+        grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
+        if torch.isfinite(grad_norm):
+            # How far the weights moved (0 = nothing is learned), a chunk of weights at a
+            # time (`step_with_update_norms`): for adapters and small models only, where the
+            # extra optimizer calls cost nothing that counts.
+            small = sum(p.numel() for p in params) <= UPDATE_NORM_MAX_PARAMS
+            if totals is not None and small:
+                diffs = step_with_update_norms(self.optimizer)
+                totals["update_norm"] = float(self.parallel.global_norm(diffs))
+            else:
+                self.optimizer.step()
+                if totals is not None:  # too large: not measured (μ > 1 keeps the first's)
+                    totals["update_norm"] = float("nan")
+        else:  # a non-finite gradient would poison AdamW's moments; skip and count it
+            self.skipped_updates += 1
+            log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
+        self.scheduler.step()
+        return float(grad_norm)
 
     def _task_kl(self, task_ids: torch.Tensor, seq_kl: torch.Tensor) -> dict[str, float]:
         """Each task's mean KL over its completions, and its β."""

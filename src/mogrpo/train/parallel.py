@@ -32,7 +32,7 @@ from mogrpo.config.processes import strategy_for
 from mogrpo.config.sections import DistributedConfig
 from mogrpo.errors import ModelError
 from mogrpo.modeling.reference import Reference, make_reference
-from mogrpo.rollout.native import unwrap_causal_lm
+from mogrpo.rollout.layout import unwrap_causal_lm
 from mogrpo.train.distributed import Dist
 
 log = logging.getLogger(__name__)
