@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the vs_trl default, steadier on a shared machine)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2",
+    parser.add_argument("--arch", choices=["qwen2", "qwen3", "gemma", "llama"], default="qwen2",
                         help="the models' family (the vs_trl sizes; default qwen2)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_speed")
     args = parser.parse_args()
@@ -183,7 +183,9 @@ def main() -> None:
             + (f" {r['cpu_compiled_step_ratio']:.2f}× ({r['cpu_compiled_step_ratio_min']:.2f}–"
                f"{r['cpu_compiled_step_ratio_max']:.2f}) |" if compiled else ""))
     gpu = f"GPU: {meta['gpu']} (read the wall-time column); " if meta["gpu"] else ""
-    lines.append(f"\n{gpu}CPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
+    family = {"qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma", "llama": "Llama"}[args.arch]
+    lines.append(f"\n{family} models of the vs_trl shapes. "
+                 f"{gpu}CPU: {meta['cpu']}; torch {meta['torch']}, {args.threads} thread(s), "
                  f"{args.repeats} repeats, the {len(arms)} arms alternated (order reversed every "
                  f"repeat); host memory: {meta['host_memory']} (all arms, as `mogrpo train`, "
                  "`predict` and `serve` run on a CPU). Packing per call: as a training rollout "

@@ -203,7 +203,8 @@ def to_markdown(results: dict[str, Any]) -> str:
     s = meta["settings"]
     commands = "\n".join(f"    {c}" for c in meta.get("commands", [meta["command"]]))
     device = "the GPU" if meta.get("device") == "cuda" else "CPU"
-    arch = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[meta.get("arch", "qwen2")]
+    arch = {"qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+            "llama": "Llama"}[meta.get("arch", "qwen2")]
     return (
         "# mogrpo vs TRL GRPOTrainer, side by side\n\n"
         f"Commands:\n\n{commands}\n\n"
@@ -240,7 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "threads of busy neighbours stall each other's parallel regions)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both tools train (cuda: the first GPU)")
-    parser.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2",
+    parser.add_argument("--arch", choices=["qwen2", "qwen3", "gemma", "llama"], default="qwen2",
                         help="the models' family (the same sizes; default qwen2)")
     parser.add_argument("--mogrpo-engine", default=None,
                         help="set rollout.engine in mogrpo's config (default: mogrpo's own)")

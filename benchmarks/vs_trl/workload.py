@@ -88,7 +88,7 @@ def tokenizer_texts(rows: list[dict[str, Any]]) -> list[str]:
 def build_models(work: Path, sizes: list[str], seed: int,
                  arch: str = "qwen2") -> dict[str, dict[str, Any]]:
     """Build each size from scratch into `work/models/SIZE`, of the family `arch` (a
-    `build_tiny_model` arch: qwen2, qwen3 or llama); one tokenizer for all of them.
+    `build_tiny_model` arch: qwen2, qwen3, gemma or llama); one tokenizer for all of them.
 
     Returns per size: the folder, the parameter count and the tokenizer's hash (the same for
     every size, checked here).

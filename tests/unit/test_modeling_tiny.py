@@ -73,7 +73,7 @@ def test_qwen3_arch_has_per_head_norms_of_the_head_size(tiny_texts, tmp_path):
 
 
 def test_unknown_arch_lists_choices(tiny_texts, tmp_path):
-    with pytest.raises(ConfigError, match=r"'gpt9'.*\['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ConfigError, match=r"'gpt9'.*\['gemma', 'llama', 'qwen2', 'qwen3'\]"):
         build_tiny_model(tmp_path / "x", tiny_texts, arch="gpt9")
 
 

@@ -311,9 +311,11 @@ def test_the_equivalence_tests_run_the_fused_decode_path(family, tok):
     assert decoder.plain is not None  # every family's projections run as plain matmuls
     assert decoder.rotate_halves  # q and k turned together (Qwen3's heads normalised first)
     assert (decoder.head_norms[0] is not None) == (family == "qwen3")
-    fused_norms = family != "gemma"  # Gemma's norm scales by 1 + weight: its own forward
-    assert (decoder.plain[0].norms is not None) == fused_norms
-    assert (decoder.final_norm is not None) == fused_norms
+    # every family's norms as one RMSNorm operation (Gemma's with 1 + its weight)
+    assert decoder.plain[0].norms is not None and decoder.final_norm is not None
+    if family == "gemma":
+        layer_norm = decoder.layers[0].input_layernorm
+        assert torch.equal(decoder.plain[0].norms[0][0], 1 + layer_norm.weight)
 
 
 def test_qwen3_head_norms_run_on_rows_in_either_order(tok, monkeypatch):

@@ -29,11 +29,10 @@ def _model(family: str, **changes) -> torch.nn.Module:
     else:
         config = family_config(family, vocab_size=V, **changes)
     model = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():  # Qwen3's per-head norms not all ones, so that they count
+    with torch.no_grad():  # RMSNorms' weights not all ones (Gemma's: zeros), so that they count
         for module in model.modules():
-            if hasattr(module, "q_norm"):
-                for norm in (module.q_norm, module.k_norm):
-                    norm.weight.uniform_(0.5, 1.5)
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
     for module in model.modules():  # dropout off, as mogrpo loads models (disable_dropout)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -197,7 +196,7 @@ def test_ddp_and_fsdp2_keep_the_one_pass_and_fsdp2_its_own_forward(tmp_path):
 
 
 # mogrpo's own forward for passes without gradients (rollout/scoring.score_logits)
-SCORED = {"llama", "llama_tied", "qwen2", "qwen3", "mistral", "phi3"}
+SCORED = {"llama", "llama_tied", "qwen2", "qwen3", "gemma", "mistral", "phi3"}
 
 
 @pytest.mark.parametrize(("family", "changes"), CASES,

@@ -1,6 +1,6 @@
 """Tiny causal LMs built from scratch: the demo and every test run on these, offline, in seconds.
 
-The model is untrained (random weights) but real: a Hugging Face Llama, Qwen2 or Qwen3 with a
+The model is untrained (random weights) but real: a Hugging Face Llama, Qwen2, Qwen3 or Gemma with a
 byte-level BPE tokenizer, two stop ids and a chat template shaped like Llama-3's, saved so that
 `AutoModelForCausalLM` / `AutoTokenizer` load it like any hub checkpoint.
 """
@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -61,7 +63,8 @@ CHAT_TEMPLATE = (
 )
 
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+                 "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                 "gemma": (GemmaConfig, GemmaForCausalLM)}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
@@ -127,8 +130,9 @@ def build_tiny_model(
     pad_id, eos_id, eot_id = tokenizer.convert_tokens_to_ids([PAD, EOS, EOT])
 
     config_cls, model_cls = ARCHITECTURES[arch]
-    # Qwen3's head size is a field of its own (128 by default): hidden / heads, as the others
-    shape = {"head_dim": hidden_size // num_heads} if arch == "qwen3" else {}
+    # Qwen3's and Gemma's head size is a field of its own (128, 256 by default): hidden / heads,
+    # as the others
+    shape = {"head_dim": hidden_size // num_heads} if arch in ("qwen3", "gemma") else {}
     config = config_cls(
         **shape,
         vocab_size=len(tokenizer),
@@ -164,8 +168,10 @@ def random_family_model(family: str, vocab_size: int, *, pad_token_id: int, eos_
                         seed: int = 0) -> PreTrainedModel:
     """A tiny random model of a `NATIVE_FAMILIES` family in eval mode (2 layers, hidden 64,
     grouped-query attention: 4 query heads over 2 key heads), its logits spread out
-    (initializer_range 0.2) so greedy and sampled tokens vary, Qwen3's per-head norms' weights
-    drawn in [0.5, 1.5] rather than all ones: what the rollout engines are compared on, in the tests and in `benchmarks/gpu_equivalence.py`."""
+    (initializer_range 0.2) so greedy and sampled tokens vary, every RMSNorm's weights (Qwen3's
+    per-head norms too) drawn in [0.5, 1.5] rather than all ones (Gemma's: zeros), so that a
+    weight applied wrongly or in the wrong order shows: what the rollout engines are compared
+    on, in the tests and in `benchmarks/gpu_equivalence.py`."""
     import transformers
 
     config_name, model_name, extra = NATIVE_FAMILIES[family]
@@ -176,11 +182,10 @@ def random_family_model(family: str, vocab_size: int, *, pad_token_id: int, eos_
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # per-head q/k norms (Qwen3) not all ones: their weights' order shows
+    with torch.no_grad():  # norms' weights not all ones (Gemma's: zeros), so that they count
         for module in model.modules():
-            if hasattr(module, "q_norm"):
-                for norm in (module.q_norm, module.k_norm):
-                    norm.weight.uniform_(0.5, 1.5)
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
     model.generation_config = GenerationConfig(eos_token_id=eos_token_id,
                                                pad_token_id=pad_token_id)
     return model

@@ -12,9 +12,8 @@ agree to float32 rounding, not to the bit.
 
 Built with PyTorch's extension builder on first use (~30 s, with a C++ compiler; the build is
 cached per machine, mogrpo and torch version) and used for float32 models with RMSNorms and
-SiLU MLPs whose q and k the Python step rotates as complex pairs: Llama, Mistral, Qwen2, Qwen3
-(its per-head q/k norms too) and Phi-3; not Gemma (its norms scale by 1 + weight, its MLP is
-GELU). Without a compiler, or with
+SiLU or tanh-GELU MLPs whose q and k the Python step rotates as complex pairs: Llama, Mistral,
+Qwen2, Qwen3 (its per-head q/k norms too), Gemma and Phi-3. Without a compiler, or with
 MOGRPO_DECODE_KERNEL=0, the Python step runs (one log line says why).
 """
 
@@ -46,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 ENV = "MOGRPO_DECODE_KERNEL"  # "0", "off", "false" or "no": never build or use it
+# the activations the compiled step computes (decode_step.cpp's kSiLU, kGeluTanh)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # a layer's attention of at least this many multiply-adds (rows x heads x columns x head dim)
 # runs as ATen's batched products when torch has several threads (they run in parallel; the
 # compiled loops on one thread)
@@ -187,7 +188,7 @@ def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, boo
     layers = []
     for p in decoder.plain:
         products = [(_compiled_weight(w), b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
-        if p.norms is None or not _silu(p.act) or any(w is None for w, _ in products):
+        if p.norms is None or _activation(p.act) is None or any(w is None for w, _ in products):
             return None, False
         layers.append(products)
     head = None  # the head's weight as the stack takes it, where it computes the logits
@@ -207,7 +208,8 @@ def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, boo
                         qkv, p.qkv[0].shape[0], _detached(qkv_b), out, _detached(out_b),
                         gate_up, p.gate_up[0].shape[0], _detached(gate_up_b),
                         down, p.down[0].shape[1], _detached(down_b),
-                        a.heads, a.kv_heads, a.scaling, q_norm, q_eps, k_norm, k_eps)
+                        a.heads, a.kv_heads, a.scaling, _activation(p.act), q_norm, q_eps,
+                        k_norm, k_eps)
     if head is None:
         return stack, False
     weight, eps = decoder.final_norm
@@ -227,10 +229,21 @@ def _compiled_weight(w: Tensor | Packed) -> int | Tensor | None:
     return None
 
 
-def _silu(act: Callable) -> bool:
-    """Whether a layer's activation is SiLU (torch's module or function, transformers')."""
-    return act is F.silu or type(act) is nn.SiLU or (
-        type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers"))
+def _activation(act: Callable) -> int | None:
+    """A layer's activation as the compiled step names it (`ACTIVATIONS`): SiLU (torch's module
+    or function, transformers'), or GELU in its tanh approximation (Gemma's: transformers'
+    `GELUTanh` on torch's function, or torch's module); None for any other."""
+    transformers = type(act).__module__.startswith("transformers")
+    if act is F.silu or type(act) is nn.SiLU or (
+            transformers and type(act).__name__ == "SiLUActivation"):
+        return ACTIVATIONS["silu"]
+    inner = getattr(act, "act", None) if transformers and type(act).__name__ == "GELUTanh" \
+        else None
+    if (type(act) is nn.GELU and act.approximate == "tanh") or (
+            isinstance(inner, functools.partial) and inner.func is F.gelu
+            and inner.keywords == {"approximate": "tanh"} and not inner.args):
+        return ACTIVATIONS["gelu_tanh"]
+    return None
 
 
 def _detached(bias: Tensor | None) -> Tensor | None:

@@ -6,7 +6,7 @@
 // Here each layer is plain loops over buffers held for the whole decode, around the products
 // the Python step runs (MKL's packed product, `cblas_sgemm_compute`, called at an address the
 // Python side found; oneDNN's on its packed weights; ATen's linear on plain ones) and ATen's
-// vectorised SiLU.
+// vectorised SiLU or tanh-approximated GELU.
 //
 // The arithmetic is the Python step's (`NativeDecoder._step_pairs`), in another summation order
 // where it sums (norms, attention): results agree to float32 rounding, not to the bit.
@@ -29,6 +29,7 @@ namespace {
 using Compute = void (*)(int, int, int, int, int, int, const float*, int, const void*, int,
                          float, float*, int);
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
+constexpr int kSiLU = 0, kGeluTanh = 1;  // a layer's activation (cpu_kernel.ACTIVATIONS)
 
 
 struct Product {
@@ -56,6 +57,7 @@ struct Layer {
   Product qkv, o, gate_up, down;
   int heads, kv_heads;
   float scaling;
+  int activation;  // of the MLP's gate: kSiLU (Llama, Mistral, Qwen, Phi-3) or kGeluTanh (Gemma)
   // Qwen3's RMSNorms of each q head and each k head before the rotation (weights [D], in the
   // order of the pairs' rows), or undefined
   at::Tensor q_norm, k_norm;
@@ -119,18 +121,22 @@ class Stack {
                  pybind11::object gate_up, int64_t gate_up_out,
                  std::optional<at::Tensor> gate_up_bias, pybind11::object down,
                  int64_t intermediate, std::optional<at::Tensor> down_bias, int64_t heads,
-                 int64_t kv_heads, double scaling, std::optional<at::Tensor> q_norm,
-                 double q_eps, std::optional<at::Tensor> k_norm, double k_eps) {
+                 int64_t kv_heads, double scaling, int64_t activation,
+                 std::optional<at::Tensor> q_norm, double q_eps, std::optional<at::Tensor> k_norm,
+                 double k_eps) {
     const int64_t D = head_dim_, H = hidden_;
     if (heads % kv_heads || qkv_out != (heads + 2 * kv_heads) * D ||
         gate_up_out != 2 * intermediate)
       throw std::invalid_argument("inconsistent layer shapes");
+    if (activation != kSiLU && activation != kGeluTanh)
+      throw std::invalid_argument("unknown activation");
     Layer layer{norm1.contiguous(), norm2.contiguous(), static_cast<float>(eps1),
                 static_cast<float>(eps2), product_of(qkv, qkv_out, H, qkv_bias),
                 product_of(o, H, heads * D, o_bias),
                 product_of(gate_up, gate_up_out, H, gate_up_bias),
                 product_of(down, H, intermediate, down_bias), static_cast<int>(heads),
-                static_cast<int>(kv_heads), static_cast<float>(scaling), head_norm_of(q_norm),
+                static_cast<int>(kv_heads), static_cast<float>(scaling),
+                static_cast<int>(activation), head_norm_of(q_norm),
                 head_norm_of(k_norm), static_cast<float>(q_eps), static_cast<float>(k_eps)};
     layers_.push_back(std::move(layer));
     widest_ = std::max({widest_, static_cast<int>(qkv_out), static_cast<int>(gate_up_out),
@@ -209,13 +215,17 @@ class Stack {
       add_product(L.o, att, heads * D, B, xp);
       rms_norm(xp, L.norm2.data_ptr<float>(), L.eps2, B, H, h);
       product(L.gate_up, h, H, B, wide);
-      // silu(gate) * up, written over the gate half (the down product reads it with stride)
+      // act(gate) * up, written over the gate half (the down product reads it with stride)
       const int I = L.down.in;
       at::Tensor gate = wide_.view({-1})
                             .narrow(0, 0, static_cast<int64_t>(B) * L.gate_up.out)
                             .view({B, L.gate_up.out})
                             .narrow(1, 0, I);
-      at::silu_(gate);
+      if (L.activation == kSiLU) {
+        at::silu_(gate);
+      } else {
+        at::gelu_(gate, "tanh");
+      }
       for (int b = 0; b < B; ++b) {
         float* gr = wide + static_cast<int64_t>(b) * L.gate_up.out;
         const float* up = gr + I;

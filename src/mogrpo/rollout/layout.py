@@ -22,6 +22,8 @@ from mogrpo.rollout.layer_ops import bound_norm
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 _STATIC_ROPE = ("default", "linear", "llama3")
+# RMSNorms whose forward scales by 1 + weight (`rms_norm_of`)
+_UNIT_OFFSET_NORMS = ("GemmaRMSNorm",)
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -105,15 +107,19 @@ def _attention_of(lm: nn.Module) -> list[Attention]:
 
 
 def rms_norm_of(module: nn.Module) -> Norm | None:
-    """(weight, eps) of the RMSNorm every supported family but Gemma uses — weight times x over
-    its root mean square, computed in float32 — for `F.rms_norm`, the same arithmetic in one
-    operation; None for any other norm (its own forward runs)."""
-    eps = getattr(module, "variance_epsilon", None)
+    """(weight, eps) of a float32 RMSNorm — x over its root mean square, times a weight — for
+    `F.rms_norm`, the same arithmetic in one operation: the module's weight (Llama, Mistral,
+    Qwen, Phi-3), or 1 + weight for Gemma's, which scales by that (computed anew at each call,
+    so gradients reach the weight); None for any other norm (its own forward runs)."""
+    name = type(module).__name__
+    offset = name in _UNIT_OFFSET_NORMS
+    eps = getattr(module, "eps" if offset else "variance_epsilon", None)
     weight = getattr(module, "weight", None)
-    if not type(module).__name__.endswith("RMSNorm") or eps is None or \
+    if not name.endswith("RMSNorm") or eps is None or \
             not isinstance(weight, Tensor) or weight.dtype != torch.float32:
         return None
-    return weight, float(eps)  # (not detached: the update's forward trains it)
+    # (not detached: the update's forward trains it)
+    return (1.0 + weight if offset else weight), float(eps)
 
 
 def _rotate_halves_possible(layers: list[nn.Module], attention: list[Attention],
