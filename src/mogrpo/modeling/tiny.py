@@ -1,7 +1,7 @@
 """Tiny causal LMs built from scratch: the demo and every test run on these, offline, in seconds.
 
-The model is untrained (random weights) but real: a Hugging Face Llama, Qwen2, Qwen3 or Gemma with a
-byte-level BPE tokenizer, two stop ids and a chat template shaped like Llama-3's, saved so that
+The model is untrained (random weights) but real: a Hugging Face Llama, Qwen2, Qwen3 or Gemma
+with a byte-level BPE tokenizer, two stop ids and a chat template shaped like Llama-3's, saved so that
 `AutoModelForCausalLM` / `AutoTokenizer` load it like any hub checkpoint.
 """
 

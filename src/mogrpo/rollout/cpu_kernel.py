@@ -176,8 +176,8 @@ def _build(name: str, directory: Path):
 def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, bool]:
     """(The compiled step of a `NativeDecoder`'s layers for at most `rows` rows, whether it
     computes the logits too), or (None, False) where it cannot run the layers: no compiled
-    module here, or a layer whose norms are not RMSNorms, whose activation is not SiLU or whose
-    products are not float32 weights (MKL or oneDNN packed, or plain). The logits too where
+    module here, or a layer whose norms are not RMSNorms, whose activation is neither SiLU nor
+    tanh-GELU (`_activation`) or whose products are not float32 weights (MKL or oneDNN packed, or plain). The logits too where
     the final norm is an RMSNorm and the head such a weight (`projections._head_weight`)."""
     kernel = module()
     if kernel is None or decoder.plain is None:
@@ -185,21 +185,23 @@ def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, boo
     head_dim = decoder.attention[0].head_dim
     if any(a.head_dim != head_dim or a.heads % a.kv_heads for a in decoder.attention):
         return None, False
-    layers = []
+    layers = []  # per layer: its products' weights as the stack takes them, its activation
     for p in decoder.plain:
         products = [(_compiled_weight(w), b) for w, b in (p.qkv, p.out, p.gate_up, p.down)]
-        if p.norms is None or _activation(p.act) is None or any(w is None for w, _ in products):
+        activation = _activation(p.act)
+        if p.norms is None or activation is None or any(w is None for w, _ in products):
             return None, False
-        layers.append(products)
+        layers.append((products, activation))
     head = None  # the head's weight as the stack takes it, where it computes the logits
     if decoder.final_norm is not None and decoder.head_weight is not None:
         head = _compiled_weight(decoder.head_weight)
     # MKL's compute function where some product is MKL-packed (its weight an address)
-    packed = any(isinstance(w, int) for w in [head, *(w for layer in layers for w, _ in layer)])
+    packed = any(isinstance(w, int)
+                 for w in [head, *(w for products, _ in layers for w, _ in products)])
     stack = kernel.Stack(mkl_packed.compute_address() if packed else 0, rows,
                          decoder.plain[0].qkv[0].shape[1], head_dim, PARALLEL_ATTENTION)
-    for p, a, products, head_norms in zip(decoder.plain, decoder.attention, layers,
-                                          decoder.head_norms, strict=True):
+    for p, a, (products, activation), head_norms in zip(decoder.plain, decoder.attention, layers,
+                                                        decoder.head_norms, strict=True):
         (first, eps1), (second, eps2) = p.norms
         (qkv, qkv_b), (out, out_b), (gate_up, gate_up_b), (down, down_b) = products
         # Qwen3's per-head q and k norms, their weights in the order of the pairs' rows
@@ -208,8 +210,7 @@ def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, boo
                         qkv, p.qkv[0].shape[0], _detached(qkv_b), out, _detached(out_b),
                         gate_up, p.gate_up[0].shape[0], _detached(gate_up_b),
                         down, p.down[0].shape[1], _detached(down_b),
-                        a.heads, a.kv_heads, a.scaling, _activation(p.act), q_norm, q_eps,
-                        k_norm, k_eps)
+                        a.heads, a.kv_heads, a.scaling, activation, q_norm, q_eps, k_norm, k_eps)
     if head is None:
         return stack, False
     weight, eps = decoder.final_norm

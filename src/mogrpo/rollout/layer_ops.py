@@ -86,9 +86,15 @@ def rotate_pairs(x: Tensor, heads: int, turns: Tensor) -> Tensor:
     return torch.view_as_real(pairs * turns).flatten(-2)
 
 
+def head_pair_order(D: int, device: torch.device) -> Tensor:
+    """The order (0, D/2, 1, D/2 + 1, ...) of one head's D rows that puts each rotary pair side
+    by side."""
+    return torch.arange(D, device=device).view(2, D // 2).t().reshape(-1)
+
+
 @functools.cache
 def pair_order(qk_heads: int, D: int, rows: int, device: torch.device) -> Tensor:
-    head = torch.arange(D, device=device).view(2, D // 2).t().reshape(-1)
+    head = head_pair_order(D, device)
     return torch.cat([(torch.arange(qk_heads, device=device)[:, None] * D + head).reshape(-1),
                       torch.arange(qk_heads * D, rows, device=device)])
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from mogrpo.algo.logprobs import wrapper_chain
-from mogrpo.rollout.layer_ops import bound_norm
+from mogrpo.rollout.layer_ops import bound_norm, head_pair_order
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 _STATIC_ROPE = ("default", "linear", "llama3")
@@ -175,10 +175,8 @@ def head_norms_for(a: Attention, pairs: bool) -> HeadNorms | None:
         return None
     if not pairs:
         return HeadNorms(a.heads, *a.head_norms)
-    D = a.head_dim
-    order = torch.arange(D).view(2, D // 2).t().reshape(-1)  # as pair_order orders a head
-    norms = tuple((m.weight.detach()[order.to(m.weight.device)], float(m.variance_epsilon))
-                  for m in a.head_norms)
+    norms = tuple((m.weight.detach()[head_pair_order(a.head_dim, m.weight.device)],
+                   float(m.variance_epsilon)) for m in a.head_norms)
     q, k = (bound_norm(m, n) for m, n in zip(a.head_norms, norms, strict=True))
     return HeadNorms(a.heads, q, k, paired=norms)
 
