@@ -144,7 +144,7 @@ def test_factory_builds_each_kind():
 
 @pytest.mark.parametrize("kind,beta,options,message", [
     ("adaptive", 0.1, {}, r"tasks\.fairness\.kl\.kind='adaptive' is not supported; "
-                          r"choose one of \['fixed', 'band', 'proportional'\]"),
+                          r"choose one of \['fixed', 'band', 'proportional', 'dual'\]"),
     ("band", 0.1, {"low": 0.06, "high": 0.02},
      r"tasks\.fairness\.kl\.low=0\.06 must be below tasks\.fairness\.kl\.high=0\.02"),
     ("band", 0.1, {"low": 0.02, "high": 0.02}, r"kl\.low=0\.02 must be below"),

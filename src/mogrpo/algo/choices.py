@@ -41,8 +41,9 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 """An importance ratio per token, or one per sequence (GSPO)."""
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
 
-KLControllerKind = Literal["fixed", "band", "proportional"]
-"""How a task's β moves: not at all, within a KL band, or toward a KL target."""
+KLControllerKind = Literal["fixed", "band", "proportional", "dual"]
+"""How a task's β moves: not at all, by notches outside a KL band, toward a KL target, or as
+the multiplier of the KL constraint held inside a band (PI on log β)."""
 KL_CONTROLLERS: tuple[str, ...] = get_args(KLControllerKind)
 
 ScheduleKind = Literal["constant", "linear"]

@@ -208,16 +208,142 @@ class ProportionalKL(KLController):
         return self._move(step, kl, self.beta * (1.0 + error * n / self.horizon), reason)
 
 
+# `dual` moves beta a little at every update; a change is logged once beta is this far (in
+# ln) from the last logged value: ln 1.1, a 10 % move
+LOG_CHANGE = math.log(1.1)
+
+
+class DualKL(KLController):
+    """beta as the Lagrange multiplier of this task's KL constraint, steered into the band
+    ``[low, high]`` by a PI law on log beta.
+
+    The GRPO objective with a KL penalty, max E[A] - beta * KL, is the Lagrangian of
+    max E[A] subject to KL <= budget; beta is its multiplier, and dual ascent raises it while
+    the constraint is violated and lowers it while there is slack (Boyd & Vandenberghe,
+    Convex Optimization, 5.5; RL with a KL budget: Stooke et al. 2020, arXiv 2007.03964, which
+    adds a proportional term to damp the multiplier's oscillations). Here the error is
+    ``e = clip(ln(KL / target), -1.5, 1.5)`` with ``target = sqrt(low * high)``, the band's
+    geometric centre, so one update is scale-free and a KL 10x off moves beta as much as one
+    10x off the other way; in velocity form
+
+        ln beta <- ln beta + ki * e_k + kp * (e_k - e_{k-1}),
+
+    each change capped at ``max_step`` (ln 2: at most x2 or /2 per update) and beta clamped
+    to ``[beta_min, beta_max]`` (the clamp is the integrator's state, so it does not wind up).
+    The proportional term answers the KL's change, which leads its level: the policy moves
+    toward a new beta over many steps, and an integral law alone overshoots. During the first
+    ``warmup_steps`` steps beta may rise but not fall, and the proportional term starts after
+    them: the policy starts at the reference, so an early KL near 0 says nothing about the
+    slack, and its rise from 0 is not a change to answer.
+
+    On a simulated plant (KL relaxing toward c / beta or c / beta^2 with a 10- or 20-step time
+    constant, a 3-step delay and 60 % log-normal noise per step, updates on the mean of every
+    10 steps, as in the demo) it settles into the band within 150 steps (15 updates) from beta
+    10x too small or too large and stays in it; without noise beta settles to a constant, no
+    limit cycle (`tests/unit/test_kl_dual.py`). A slower plant takes proportionally longer;
+    larger gains settle faster on a quiet plant but let the KL's noise through to beta
+    (kp 1.0 never settled at this noise).
+    """
+
+    kind = "dual"
+
+    def __init__(
+        self,
+        task: str,
+        beta: float,
+        low: float,
+        high: float,
+        kp: float = 0.3,
+        ki: float = 0.2,
+        max_step: float = math.log(2),
+        warmup_steps: int = 0,
+        beta_min: float = 1e-4,
+        beta_max: float = 10.0,
+    ) -> None:
+        super().__init__(task, beta, beta_min, beta_max)
+        self.low = _check_number(task, "low", low)
+        self.high = _check_number(task, "high", high)
+        self.kp = _check_number(task, "kp", kp)
+        self.ki = _check_number(task, "ki", ki)
+        self.max_step = _check_number(task, "max_step", max_step)
+        self.warmup_steps = int(_check_number(task, "warmup_steps", warmup_steps))
+        if not 0 < self.low < self.high:
+            raise ConfigError(
+                f"{_field(task, 'low')}={low!r} and {_field(task, 'high')}={high!r} must "
+                "satisfy 0 < low < high; give the healthy KL band, e.g. low 0.02, high 0.06"
+            )
+        if self.kp < 0 or self.ki <= 0:
+            raise ConfigError(
+                f"{_field(task, 'kp')}={kp!r}, {_field(task, 'ki')}={ki!r}: need kp >= 0 and "
+                "ki > 0 (defaults 0.3 and 0.2)"
+            )
+        if not 0 < self.max_step <= 2:
+            raise ConfigError(
+                f"{_field(task, 'max_step')}={max_step!r} must be in (0, 2]: the largest change "
+                "of ln(beta) in one update (default ln 2 = 0.693: at most x2 or /2)"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"{_field(task, 'warmup_steps')}={warmup_steps!r} must be >= 0")
+        if self.beta <= 0 or self.beta_min <= 0:
+            raise ConfigError(
+                f"{_field(task, 'beta')}={beta!r} and {_field(task, 'beta_min')}={beta_min!r} "
+                "must be > 0 for kind 'dual', which moves beta by factors"
+            )
+        self.target = math.sqrt(self.low * self.high)
+        self._last_error: float | None = None
+        self._logged: float | None = beta  # beta as the last logged change left it
+
+    def update(self, kl: float, step: int, n: int = 1) -> BetaChange | None:
+        """One PI step from the window's mean ``kl``; ``n`` is ignored. A record once beta is
+        10 % or more from the last recorded value (the record's `old`)."""
+        if not math.isfinite(kl):
+            return None
+        error = math.log(kl / self.target) if kl > 0 else -1.5
+        error = min(max(error, -1.5), 1.5)
+        last = error if self._last_error is None else self._last_error
+        delta = self.ki * error + self.kp * (error - last)
+        delta = min(max(delta, -self.max_step), self.max_step)
+        if step <= self.warmup_steps:
+            delta = max(delta, 0.0)  # (and no memory: the KL's rise from 0 is no error)
+        else:
+            self._last_error = error
+        self.beta = min(max(self.beta * math.exp(delta), self.beta_min), self.beta_max)
+        logged = self._logged if self._logged is not None else self.beta
+        if abs(math.log(self.beta / logged)) < LOG_CHANGE:
+            return None  # small moves every update: logged once they add up
+        if kl < self.low:
+            reason = f"KL {_num(kl)} < {_num(self.low)}"
+        elif kl > self.high:
+            reason = f"KL {_num(kl)} > {_num(self.high)}"
+        else:
+            reason = f"KL {_num(kl)} in band, centre {_num(self.target)}"
+        self._logged = self.beta
+        return BetaChange(self.task, step, float(kl), logged, self.beta, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        """beta, the last error (the proportional term's memory) and the last logged beta."""
+        return {**super().state_dict(), "last_error": self._last_error, "logged": self._logged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        last, logged = state.get("last_error"), state.get("logged")
+        self._last_error = None if last is None else float(last)
+        self._logged = None if logged is None else float(logged)
+
+
 _CLASSES: dict[str, type[KLController]] = {
     "fixed": FixedKL,
     "band": BandKL,
     "proportional": ProportionalKL,
+    "dual": DualKL,
 }
-_REQUIRED = {"fixed": (), "band": ("low", "high"), "proportional": ("target",)}
+_REQUIRED = {"fixed": (), "band": ("low", "high"), "proportional": ("target",),
+             "dual": ("low", "high")}
 _OPTIONS = {
     "fixed": (),
     "band": ("low", "high", "rate", "beta_min", "beta_max"),
     "proportional": ("target", "horizon", "beta_min", "beta_max"),
+    "dual": ("low", "high", "kp", "ki", "max_step", "warmup_steps", "beta_min", "beta_max"),
 }
 
 
@@ -240,6 +366,6 @@ def make_controller(task: str, kind: str, beta: float, **options: Any) -> KLCont
         if name not in options:
             raise ConfigError(
                 f"{_field(task, name)} is required for kind {kind!r}; "
-                + ("e.g. low: 0.02, high: 0.06" if kind == "band" else "e.g. target: 0.05")
+                + ("e.g. target: 0.05" if kind == "proportional" else "e.g. low: 0.02, high: 0.06")
             )
     return _CLASSES[kind](task, beta, **options)

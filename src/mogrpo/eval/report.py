@@ -101,7 +101,7 @@ def _setup(run: RunFiles) -> list[str]:
                             for r in task.get("rewards") or [])
         kl = task.get("kl") or {}
         control = kl.get("kind", "fixed")
-        if control == "band":
+        if control in ("band", "dual"):
             control += f" {kl.get('low')}–{kl.get('high')}"
         elif control == "proportional":
             control += f" → {kl.get('target')}"

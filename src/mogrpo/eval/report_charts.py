@@ -108,10 +108,11 @@ def reward_figure(run: RunFiles) -> Figure:
 
 
 def kl_band(config: dict[str, Any], task: str) -> tuple[float, float] | float | None:
-    """The KL the task's controller steers toward: (low, high) for a band, the target of a
-    proportional controller, None for a fixed β."""
+    """The KL the task's controller steers toward: (low, high) for a band (`band`, `dual`),
+    the target of a proportional controller, None for a fixed β."""
     kl = ((config.get("tasks") or {}).get(task) or {}).get("kl") or {}
-    if kl.get("kind") == "band" and kl.get("low") is not None and kl.get("high") is not None:
+    if kl.get("kind") in ("band", "dual") and kl.get("low") is not None \
+            and kl.get("high") is not None:
         return float(kl["low"]), float(kl["high"])
     if kl.get("kind") == "proportional" and kl.get("target") is not None:
         return float(kl["target"])

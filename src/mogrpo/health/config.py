@@ -171,6 +171,28 @@ class EvalRegressionConfig(CheckConfig):
     """`rollback`: after this many rollbacks a further regression stops the run."""
 
 
+class TaskStalledConfig(CheckConfig):
+    patience: int = Field(4, ge=1)
+    """Quick-evals over which a task's score has not moved, nor ever risen `min_rise` above its
+    first eval, while another task's rose (evals are 20–50 steps apart: 4 is 80–200 steps)."""
+    min_delta: float = Field(0.03, ge=0)
+    """Not moved: the task's scores over those evals lie within this of each other (greedy
+    accuracy on 200 prompts has a sampling error of ~0.035)."""
+    min_rise: float = Field(0.05, gt=0)
+    """Another task improved: its score rose by at least this over the same evals."""
+
+
+class KLOutOfBandConfig(CheckConfig):
+    patience: int = Field(1, ge=1)
+    """Consecutive steps whose window is mostly outside before the alert fires."""
+    window: int = Field(50, ge=5)
+    """Steps of a task's KL judged together (after the first `window` steps of the run)."""
+    factor: float = Field(2.0, ge=1)
+    """Far outside: above `factor` × `high` or below `low` / `factor`."""
+    fraction: float = Field(0.8, gt=0, le=1)
+    """Alert when at least this fraction of the window's steps is far outside the band."""
+
+
 class HealthConfig(Section):
     enabled: bool = True
     """Watch every step's metrics; alerts go to the log, metrics.jsonl and the run summary."""
@@ -196,3 +218,7 @@ class HealthConfig(Section):
     """A task's objective falls below its best window (with KL growth, for a fixed β)."""
     eval_regression: EvalRegressionConfig = Field(default_factory=EvalRegressionConfig)
     """A quick-eval score below the start or the best eval by more than its sampling error."""
+    task_stalled: TaskStalledConfig = Field(default_factory=TaskStalledConfig)
+    """A task whose quick-eval score does not move while another task's rises."""
+    kl_out_of_band: KLOutOfBandConfig = Field(default_factory=KLOutOfBandConfig)
+    """A task whose KL sits far outside its band (`band`, `dual`) for most of a window."""

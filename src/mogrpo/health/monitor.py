@@ -40,6 +40,8 @@ class StepContext:
     kl_budgets: dict[str, float] = field(default_factory=dict)
     """Per task, the KL its controller steers toward (band `high`, proportional `target`):
     KL growing up to its budget is what the user asked for, not an explosion."""
+    kl_bands: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per task held in a band (`band`, `dual`): (low, high), for `kl_out_of_band`."""
     full_finetune: bool | None = None
     """All weights trained (True) or adapters (False): the learning rate a regression alert
     calls too high, and suggests, depends on it."""
@@ -94,9 +96,9 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-CHECKS = ("not_learning", "reward_regression", "eval_regression", "kl_explosion",
-          "length_collapse", "truncation", "no_signal", "non_finite", "grad_spike",
-          "sampling_ignored", "reward_stalled")
+CHECKS = ("not_learning", "reward_regression", "eval_regression", "task_stalled",
+          "kl_explosion", "kl_out_of_band", "length_collapse", "truncation", "no_signal",
+          "non_finite", "grad_spike", "sampling_ignored", "reward_stalled")
 """Every check, in the order they run on a step."""
 
 
@@ -119,6 +121,7 @@ class HealthMonitor:
         self.reward_regression = RewardRegression(self.config.reward_regression)
         self._kl_told: list[str] = []  # tasks whose reward alert holds their KL growth
         self.eval_regression = EvalRegression(self.config.eval_regression)
+        self._scores: dict[str, list[float]] = {}  # task -> its quick-eval scores so far
 
     @property
     def should_stop(self) -> bool:
@@ -148,10 +151,13 @@ class HealthMonitor:
                      ) -> list[Alert]:
         """Feed a quick-eval that is not part of a training step: the one before GRPO, or
         the one after it (`final`: its alerts only warn, the run is over)."""
-        if not (self.config.enabled and self.config.eval_regression.enabled):
+        if not self.config.enabled:
             return []
         fired: list[Alert] = []
-        self._eval_regression(step, metrics, StepContext(), fired)
+        if self.config.eval_regression.enabled:
+            self._eval_regression(step, metrics, StepContext(), fired)
+        if self.config.task_stalled.enabled:
+            self._task_stalled(step, metrics, StepContext(), fired)
         for alert in fired:
             alert.action = "warn" if final else alert.action
         return self._record(fired)
@@ -245,6 +251,61 @@ class HealthMonitor:
                 "over other parameters. Try: check the trainable-parameter count in the startup "
                 "log and lora.target_modules; accumulate gradients and step once per optimizer "
                 "step"), fired)
+
+    def _task_stalled(self, step: int, m: Mapping[str, Any], ctx: StepContext,
+                      fired: list[Alert]) -> None:
+        cfg = self.config.task_stalled
+        now = EvalRegression.scores(m)
+        for task, (score, _, _) in now.items():
+            self._scores.setdefault(task, []).append(score)
+        span = cfg.patience + 1  # the evals compared: this one and `patience` before it
+        rising = {t: s[-1] - s[-span] for t, s in self._scores.items() if len(s) >= span}
+        for task in sorted(now):
+            scores, start = self._scores[task][-span:], self._scores[task][0]
+            # not moved, and not above where it started: a task that learned and then
+            # levelled off (or sits at the top of its scale) has converged, not stalled
+            flat = len(scores) == span and max(scores) - min(scores) <= cfg.min_delta \
+                and scores[-1] < start + cfg.min_rise
+            others = {t: r for t, r in rising.items() if t != task and r >= cfg.min_rise}
+            # once per stall (the patience is the span of evals): re-armed when it moves
+            if self._count("task_stalled", task, flat and bool(others)) != 1:
+                continue
+            other, rise = max(others.items(), key=lambda kv: kv[1])
+            kl = m.get(names.TASK_KL.of(task))
+            self._fire("task_stalled", step, (
+                f"task {task}: eval score {scores[-1]:.3f} has not moved by more than "
+                f"{cfg.min_delta:g} over the last {span} evals while {other} rose by {rise:.3f}"
+                + (f" (its KL {kl:.3f})" if _finite(kl) else "") + ". Likely: β holds it at the "
+                "reference (its KL budget is below what learning it needs), its reward gives no "
+                "signal (every completion of a group scores the same), or the other task takes "
+                "the batch. Try: widen its KL band or lower its β, check its "
+                "reward/*/zero_var_frac, raise its share (tasks.NAME.weight)"), fired)
+
+    def _kl_out_of_band(self, step: int, m: Mapping[str, Any], ctx: StepContext,
+                        fired: list[Alert]) -> None:
+        cfg = self.config.kl_out_of_band
+        for task, (low, high) in sorted(ctx.kl_bands.items()):
+            value = m.get(names.TASK_KL.of(task))
+            if not _finite(value):
+                continue
+            key = f"kl_out_of_band:{task}"
+            window = [*self._push(key, value, cfg.window), value][-cfg.window:]
+            above = sum(v > high * cfg.factor for v in window)
+            below = sum(v < low / cfg.factor for v in window)
+            far = len(window) == cfg.window and max(above, below) >= cfg.fraction * cfg.window
+            if not self._held("kl_out_of_band", task, far):
+                continue
+            where = (f"above {cfg.factor:g} × its high {high:g}" if above >= below else
+                     f"below its low {low:g} / {cfg.factor:g}")
+            beta = m.get(names.TASK_BETA.of(task))
+            self._fire("kl_out_of_band", step, (
+                f"task {task}: KL {where} in {max(above, below)} of the last {cfg.window} steps "
+                f"(median {statistics.median(window):.3f}, band {low:g}–{high:g}"
+                + (f", β {beta:.4g}" if _finite(beta) else "") + "). Likely: β cannot move far "
+                "enough (kind `band` moves it by a few % per update, or it sits at beta_min / "
+                "beta_max), or the band is not the KL this task needs to learn. Try: kind `dual` "
+                "(the default with a band), widen beta_min / beta_max, or set the band to the "
+                "KL the task reaches when it learns"), fired)
 
     def _kl_explosion(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                       fired: list[Alert]) -> None:
@@ -481,6 +542,7 @@ class HealthMonitor:
                 "best": {k: list(v) for k, v in self._best.items()},
                 "nonfinite": self._nonfinite, "skipped": self._skipped, "steps": self._steps,
                 "rollbacks": self.rollbacks, "kl_told": list(self._kl_told),
+                "scores": {k: list(v) for k, v in self._scores.items()},
                 "reward_regression": self.reward_regression.state_dict(),
                 "eval_regression": self.eval_regression.state_dict()}
 
@@ -495,5 +557,6 @@ class HealthMonitor:
         # states saved before the regression checks existed hold none of theirs
         self.rollbacks = state.get("rollbacks", 0)
         self._kl_told = list(state.get("kl_told", []))
+        self._scores = {k: list(v) for k, v in state.get("scores", {}).items()}
         self.reward_regression.load_state_dict(state.get("reward_regression", {}))
         self.eval_regression.load_state_dict(state.get("eval_regression", {}))

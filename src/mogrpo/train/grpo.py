@@ -111,6 +111,8 @@ class GRPOTrainer:
             max_completion_length=self.config.rollout.completion_length,
             kl_budgets={t.name: t.config.kl.kl_budget() for t in ctx.tasks
                         if t.config.kl.kl_budget() is not None},
+            kl_bands={t.name: t.config.kl.band() for t in ctx.tasks
+                      if t.config.kl.band() is not None},
             full_finetune=not self.config.lora.enabled,
             learning_rate=self.config.train.learning_rate,
         )

@@ -26,8 +26,8 @@ def _training(config: RunConfig) -> str:
 
 def _kl(task: Task) -> str:
     kl = task.config.kl
-    if kl.kind == "band":
-        return f"band {kl.low}–{kl.high}"
+    if kl.band() is not None:
+        return f"{kl.kind} {kl.low}–{kl.high}"
     if kl.kind == "proportional":
         return f"proportional → {kl.target}"
     return "fixed"
