@@ -36,10 +36,11 @@ def band_of(config: dict, task: str) -> tuple[float, float] | None:
     return float(kl["low"]), float(kl["high"])
 
 
-def kl_stats(run: Path) -> dict[str, dict]:
-    """Per task: its band, the second half's median KL, the fractions in band (per step and
-    per controller window), the first step after which the KL's window means stay inside
-    (None if they never do), and the last β."""
+def kl_stats(run: Path, bands: dict[str, tuple[float, float]] | None = None) -> dict[str, dict]:
+    """Per task: its band (the run's own, or `bands`: to judge a controller without one), the
+    second half's median KL, the fractions in band (per step and per controller window), the
+    first step after which the KL's window means stay inside (None if they never do), and the
+    last β."""
     config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "event" not in r and "step" in r]
@@ -47,7 +48,7 @@ def kl_stats(run: Path) -> dict[str, dict]:
     for task in config["tasks"]:
         key = f"task/{task}/kl"
         series = [(r["step"], r[key]) for r in steps if isinstance(r.get(key), float | int)]
-        band = band_of(config, task)
+        band = (bands or {}).get(task) or band_of(config, task)
         every = int((config["tasks"][task].get("kl") or {}).get("every_steps", 1))
         half = [v for s, v in series if s > series[-1][0] / 2]
         stats = {"band": band, "median_kl": statistics.median(half),

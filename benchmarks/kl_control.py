@@ -18,7 +18,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from demo_seeds import machine, run_seed
+from demo_seeds import kl_stats, machine, run_seed
 
 from mogrpo.demo import demo_base
 
@@ -56,11 +56,25 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["fixed", "band", "proportional", "dual"])
     parser.add_argument("--work", type=Path, default=Path("runs/bench-kl-control"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kl_control.md"))
+    parser.add_argument("--add", action="append", default=[], metavar="KIND=JSON",
+                        help="take KIND's runs from a demo_seeds.py JSON of the same commit and "
+                             "seeds instead of running them (the demo's default is `dual`)")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {k: [] for k in args.kinds}
+    added = dict(a.split("=", 1) for a in args.add)
+    kinds = [k for k in args.kinds if k not in added] + list(added)
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    for kind, path in added.items():
+        runs = {r["seed"]: r for r in json.loads(Path(path).read_text(encoding="utf-8"))}
+        results[kind] = [runs[s] for s in args.seeds]
+    bands = {name: (task["kl"]["low"], task["kl"]["high"])
+             for name, task in demo_base()["tasks"].items()}
     for seed in args.seeds:  # alternated: each seed's runs back to back
         for kind in args.kinds:
-            results[kind].append(run_seed(seed, args.work / kind, overrides(kind)))
+            if kind not in added:
+                run = run_seed(seed, args.work / kind, overrides(kind))
+                run["kl"] = kl_stats(args.work / kind / f"run-seed{seed}", bands)
+                results[kind].append(run)
+    args.kinds = kinds
     tasks = results[args.kinds[0]][0]["tasks"]
     lines = ["| controller | task | settled by step (per seed) | in band, 2nd half: steps / "
              "windows | final accuracy (mean, per seed) | β at the end |", "|---" * 6 + "|"]

@@ -194,6 +194,7 @@ def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypa
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
     monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: True)
     model = family_model("qwen2", tok)
+    gc.collect()  # packs an earlier test left for the collector give their buffers back now
     mkl_packed.POOL.clear()
 
     def addresses() -> list[int]:
@@ -215,6 +216,7 @@ def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypa
         cpu_linear.decode_linear(x, decoded.plain[0].down[0]),
         x @ model.model.layers[0].mlp.down_proj.weight.detach().t(), atol=1e-4, rtol=1e-5)
     del decoded
+    gc.collect()
     mkl_packed.POOL.clear()
     monkeypatch.setattr(projections, "KEEP_MAX_BYTES", 0)
     addresses()
