@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import linear, product, weight_product
+from mogrpo.algo.cpu_linear import linear, product, usable, weight_product
 from mogrpo.errors import ConfigError
 
 # Logits computed together, in bytes of the float32 copy: small enough that a chunk's few
@@ -166,9 +166,9 @@ class _HeadLogProb(torch.autograd.Function):
             if tanh is not None:  # autograd's order: * cap, tanh's 1 - y^2, / cap
                 d_raw = d_raw * cap * (1 - tanh * tanh) / cap
             if need_h:
-                grad_h[s:s + rows] = product(d_raw, weight.t())  # [n, H]
+                grad_h[s:s + rows] = _times(d_raw, weight)  # [n, H]
             if need_w:
-                part = weight_product(d_raw, h)  # [V, H]
+                part = _times_t(d_raw, h)  # [V, H]
                 grad_w = part.to(acc) if grad_w is None else grad_w.add_(part)
             if need_b:
                 part = d_raw.sum(0)  # [V]
@@ -176,3 +176,13 @@ class _HeadLogProb(torch.autograd.Function):
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _times(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b, on the CPU training products' kernel for CPU float32 operands."""
+    return product(a, b.t()) if usable(a, b) else a @ b
+
+
+def _times_t(a: Tensor, b: Tensor) -> Tensor:
+    """a^T @ b, on the CPU training products' kernel for CPU float32 operands."""
+    return weight_product(a, b) if usable(a, b) else a.t() @ b
