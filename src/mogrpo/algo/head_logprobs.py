@@ -167,9 +167,13 @@ class _HeadLogProb(torch.autograd.Function):
                 d_raw = d_raw * cap * (1 - tanh * tanh) / cap
             if need_h:
                 grad_h[s:s + rows] = _times(d_raw, weight)  # [n, H]
-            if need_w:
-                part = _times_t(d_raw, h)  # [V, H]
-                grad_w = part.to(acc) if grad_w is None else grad_w.add_(part)
+            if need_w:  # [V, H]
+                if grad_w is None:
+                    grad_w = _times_t(d_raw, h).to(acc)
+                elif grad_w.dtype == d_raw.dtype:  # in place: no [V, H] temporary
+                    grad_w.addmm_(d_raw.t(), h)
+                else:
+                    grad_w.add_(_times_t(d_raw, h))
             if need_b:
                 part = d_raw.sum(0)  # [V]
                 grad_b = part.to(acc) if grad_b is None else grad_b.add_(part)
