@@ -16,6 +16,9 @@ reports:
   saves, logits and their temporaries, parameter gradients);
 - RSS peak: the process's resident-set high-water mark during the pass (VmHWM after resetting
   it), over the RSS before it.
+
+The head's products at these shapes are ~2.2 TFLOP each: about 20 minutes in all on 2 shared
+cores of a Zen 3 EPYC (each case 4-7 minutes).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from mogrpo.algo.cpu_linear import cpu_name
 
 LAYERS, PROMPTS, K, PROMPT, COMPLETION = 2, 2, 8, 32, 512
 QWEN25_05B = dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
@@ -86,13 +91,6 @@ def one_case(vocab: int, chunked: bool, trace: Path) -> dict:
             "logp_sum": float(logp.detach().sum()), "entropy_mean": float(entropy.mean())}
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -101,8 +99,8 @@ def report(results: list[dict], command: str) -> str:
     lines = [
         "# Log-prob memory: full logits against the chunked head",
         "",
-        f"`{command}` (benchmarks/logprob_memory.py) on {_cpu_name()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}.",
+        f"`{command}` on {cpu_name()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; one run per case, each in a process of its own.",
         "",
         f"Qwen2.5-0.5B's shape (hidden 896, MLP 4864, tied embeddings) with {LAYERS} layers, "
         f"float32, random weights; {PROMPTS} prompts of {PROMPT} tokens x {K} completions of "
@@ -110,7 +108,7 @@ def report(results: list[dict], command: str) -> str:
         "with entropy through the model's forward, then the backward of a weighted sum. "
         "Tensor peak: the most tensor bytes alive at once from the pass's start "
         "(torch.profiler's allocation record). RSS peak: the process's high-water mark during "
-        "the pass over its RSS before.",
+        "the pass over its RSS before. Times are indicative only on a shared machine.",
         "",
         "| vocab | path | tensor peak | RSS peak growth | time | tensor peak vs full |",
         "|---|---|---|---|---|---|",
@@ -121,7 +119,12 @@ def report(results: list[dict], command: str) -> str:
                      f"{_gib(r['rss_peak_growth'])} | {r['seconds']:.1f} s | "
                      f"{r['tensor_peak'] / full['tensor_peak']:.3f} |")
     lines += ["", "Both paths' log-prob sums agree: " + ", ".join(
-        f"{r['vocab']:,} {r['path']}: {r['logp_sum']:.3f}" for r in results) + "."]
+        f"{r['vocab']:,} {r['path']}: {r['logp_sum']:.3f}" for r in results) + ".", "",
+        "What the full-logit path holds at its peak: the float32 logits [16, 512, V] (4.6 GiB "
+        "at 151,936) kept for the backward, their gradient, and the full-size zero buffer "
+        "autograd builds for each row chunk's slice of them in the backward. What the chunked "
+        "path holds: the decoder's activations (the same in both), the hidden states, one "
+        "chunk's logits and the tied weight's gradient (V x 896 float32, 0.51 GiB at 151,936)."]
     return "\n".join(lines) + "\n"
 
 

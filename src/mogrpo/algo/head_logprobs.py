@@ -84,7 +84,8 @@ def head_logprobs(hidden: Tensor, head: OutputHead, targets: Tensor, temperature
     """
     check_temperature(temperature)
     weight, bias = head.weight, head.bias
-    args = (hidden, weight, bias, targets.long(), float(temperature), head.softcap, with_entropy)
+    args = (hidden.contiguous(), weight, bias, targets.long(), float(temperature), head.softcap,
+            with_entropy)
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if grads:
