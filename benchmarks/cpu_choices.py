@@ -10,7 +10,7 @@ On the vs_trl benchmark's models, prompts and settings (16 rows: 4 prompts x 4 c
   (`cpu_linear.decode_on_mkl`, chosen on Intel CPUs) against the rule for other CPUs: large
   weights packed for oneDNN, the rest as they are.
 - **update forward**: the forward and backward of the update's log-probs on mogrpo's own
-  forward (`rollout.scoring.score_logits` with gradients, chosen on CPUs where `trains_here`)
+  forward (`rollout.scoring.score_hidden` with gradients, chosen on CPUs where `trains_here`)
   against the model's Hugging Face forward, on one rollout's completions.
 
 Each repeat runs both arms one after the other (order swapped every repeat) and records their
@@ -37,7 +37,7 @@ from mogrpo.algo import cpu_linear
 from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
-from mogrpo.rollout.scoring import score_logits, trains_here
+from mogrpo.rollout.scoring import score_hidden, trains_here
 from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
@@ -75,7 +75,7 @@ def rollout_arm(model, tok, on_mkl: bool) -> Callable[[], None]:
 def update_arm(model, batch, own: bool) -> Callable[[], None]:
     def run() -> None:
         logp, _ = completion_logprobs(model, *batch, with_entropy=True,
-                                      forward=score_logits if own else None)
+                                      forward=score_hidden if own else None)
         logp.sum().backward()
         model.zero_grad(set_to_none=True)
     return run

@@ -522,7 +522,7 @@ def test_off_cpus_the_decode_step_keeps_torch_rms_norm():
 
 
 def test_rotary_rows_of_the_kept_table_are_the_modules_values(tok):
-    """score_logits' rotary tables: rows of one table per model, equal to the bits of what the
+    """score_hidden's rotary tables: rows of one table per model, equal to the bits of what the
     model's rotary module gives the same positions; built again for a longer sequence, another
     dtype, or frequencies changed in place; usable by a forward with gradients when first
     built in inference mode."""

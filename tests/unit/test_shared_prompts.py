@@ -150,9 +150,9 @@ def test_gradient_checkpointing_keeps_the_one_pass():
     assert shares_prompts(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert not shares_prompts(model)
-    from mogrpo.rollout.scoring import score_logits
+    from mogrpo.rollout.scoring import score_hidden
 
-    assert score_logits(model, *_batch()) is None  # nor mogrpo's forward, which keeps all
+    assert score_hidden(model, *_batch()) is None  # nor mogrpo's forward, which keeps all
 
 
 WRAPPED = """
@@ -162,7 +162,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, sys.argv[2])
 from architectures import family_config
 from mogrpo.algo.logprobs import shares_prompts
-from mogrpo.rollout.scoring import score_logits
+from mogrpo.rollout.scoring import score_hidden
 from mogrpo.train.distributed import DRAIN_S
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=300))
@@ -174,11 +174,11 @@ ddp = torch.nn.parallel.DistributedDataParallel(model)
 print(shares_prompts(model), shares_prompts(ddp), shares_prompts(sharded))
 ids, mask = torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.ones(2, 3, dtype=torch.long)
 with torch.no_grad():  # the scoring forward reads weights directly: not FSDP2's shards
-    print(score_logits(model, ids, mask, ids, mask) is not None,
-          score_logits(sharded, ids, mask, ids, mask) is None)
+    print(score_hidden(model, ids, mask, ids, mask) is not None,
+          score_hidden(sharded, ids, mask, ids, mask) is None)
 # with gradients: the model's own, never through DDP (its forward prepares the reduction)
-print(score_logits(model, ids, mask, ids, mask) is not None,
-      score_logits(ddp, ids, mask, ids, mask) is None)
+print(score_hidden(model, ids, mask, ids, mask) is not None,
+      score_hidden(ddp, ids, mask, ids, mask) is None)
 dist.barrier()
 dist.destroy_process_group()
 time.sleep(DRAIN_S)  # gloo's threads finish before the interpreter shuts down
@@ -195,25 +195,25 @@ def test_ddp_and_fsdp2_keep_the_one_pass_and_fsdp2_its_own_forward(tmp_path):
     assert done.stdout.split() == ["True", "False", "False", "True", "True", "True", "True"]
 
 
-# mogrpo's own forward for passes without gradients (rollout/scoring.score_logits)
+# mogrpo's own forward for passes without gradients (rollout/scoring.score_hidden)
 SCORED = {"llama", "llama_tied", "qwen2", "qwen3", "gemma", "mistral", "phi3"}
 
 
 @pytest.mark.parametrize(("family", "changes"), CASES,
                          ids=[f + ("-window4" if c else "") for f, c in CASES])
 def test_scoring_forward_gives_the_models_log_probs_bit_for_bit(family, changes):
-    from mogrpo.rollout.scoring import score_logits
+    from mogrpo.rollout.scoring import score_hidden
 
     model = _model(family, **changes).eval()
     batch = _batch()
     with torch.no_grad():
         expected, _ = completion_logprobs(model, *batch, temperature=0.8)
-        scored = score_logits(model, *batch)
-        got, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_logits)
+        scored = score_hidden(model, *batch)
+        got, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_hidden)
     if family not in SCORED or changes:  # other layouts; a window shorter than the rows
         assert scored is None
     else:  # bit for bit: KL is exactly 0 while the policy equals its reference
-        assert scored is not None and scored.shape == (9, 6, V)
+        assert scored is not None and scored.shape == (9, 6, model.config.hidden_size)
     assert torch.equal(got, expected)
 
 
@@ -221,32 +221,32 @@ def test_scoring_forward_gives_the_models_log_probs_bit_for_bit(family, changes)
 def test_scoring_forward_reads_base_weights_only_with_adapters_off():
     from peft import LoraConfig, get_peft_model
 
-    from mogrpo.rollout.scoring import score_logits
+    from mogrpo.rollout.scoring import score_hidden
 
     model = get_peft_model(_model("qwen2"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                       target_modules="all-linear",
                                                       init_lora_weights=False)).eval()
     batch = _batch(K=2)
     with torch.no_grad():
-        assert score_logits(model, *batch) is None  # active adapters: the model's forward
+        assert score_hidden(model, *batch) is None  # active adapters: the model's forward
         with model.disable_adapter():  # the KL reference under LoRA
             expected, _ = completion_logprobs(model, *batch)
-            got, _ = completion_logprobs(model, *batch, forward=score_logits)
-            assert score_logits(model, *batch) is not None
+            got, _ = completion_logprobs(model, *batch, forward=score_hidden)
+            assert score_hidden(model, *batch) is not None
         adapted, _ = completion_logprobs(model, *batch)
     assert torch.equal(got, expected)
     assert (adapted - expected).abs().max() > 1e-3  # the adapters do change the log-probs
 
 
 def test_scoring_forward_handles_one_token():
-    from mogrpo.rollout.scoring import score_logits
+    from mogrpo.rollout.scoring import score_hidden
 
     model = _model("llama").eval()
     batch = _batch()
     one = (batch[0], batch[1], batch[2][:, :1], torch.ones_like(batch[3][:, :1]))
     with torch.no_grad():
         expected, _ = completion_logprobs(model, *one)
-        got, _ = completion_logprobs(model, *one, forward=score_logits)
+        got, _ = completion_logprobs(model, *one, forward=score_hidden)
     assert torch.equal(got, expected)
 
 
@@ -263,41 +263,41 @@ def training_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("family", sorted(SCORED))
 def test_the_update_forward_gives_the_models_log_probs_and_gradients(family, training_kernel):
-    from mogrpo.rollout.scoring import score_logits
+    from mogrpo.rollout.scoring import score_hidden
 
     model = _model(family)
     batch = _batch()
-    assert score_logits(model, *batch) is not None  # with gradients: mogrpo's own forward
+    assert score_hidden(model, *batch) is not None  # with gradients: mogrpo's own forward
     expected, _ = completion_logprobs(model, *batch, temperature=0.8)
     expected.sum().backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    got, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_logits)
+    got, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_hidden)
     got.sum().backward()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for p, e in zip(model.parameters(), expected_grads, strict=True):  # tied weights included
         torch.testing.assert_close(p.grad, e, atol=1e-5, rtol=1e-4)
     with torch.no_grad():  # the reference's pass: the same log-probs to the bit (KL exactly 0)
-        scored, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_logits)
+        scored, _ = completion_logprobs(model, *batch, temperature=0.8, forward=score_hidden)
     assert torch.equal(got.detach(), scored)
 
 
 def test_the_update_forward_is_the_models_own_where_dropout_is_left():
-    from mogrpo.rollout.scoring import score_logits
+    from mogrpo.rollout.scoring import score_hidden
 
     model = _model("llama")
     batch = _batch()
     model.model.layers[0].mlp.register_module("drop", torch.nn.Dropout(0.1))
-    assert score_logits(model, *batch) is None  # mogrpo's forward would skip the dropout
+    assert score_hidden(model, *batch) is None  # mogrpo's forward would skip the dropout
     with torch.no_grad():  # (no pass without gradients trains: the module is off there)
-        assert score_logits(model, *batch) is not None
+        assert score_hidden(model, *batch) is not None
 
 
 def test_the_update_forward_keeps_a_compiled_models_own():
-    from mogrpo.rollout.scoring import score_logits, trains_here
+    from mogrpo.rollout.scoring import score_hidden, trains_here
 
     model = _model("llama")
     assert trains_here(model)
     compiled = torch.compile(model)  # (compiles nothing until called)
     assert not trains_here(compiled)
-    assert score_logits(compiled, *_batch()) is None
+    assert score_hidden(compiled, *_batch()) is None

@@ -3,30 +3,33 @@
 Logits are divided by the *sampling* temperature before the softmax, so the trainer scores
 the same distribution that produced the samples (DeepSeekMath GRPO, arXiv 2402.03300,
 computes ratios against the sampling policy).
+
+Two paths give the same numbers (docs/logprobs.md). Where the model's output is its head's
+product and nothing else (`output_head`), `completion_logprobs` takes the last hidden states
+and projects them a chunk of tokens at a time (`mogrpo.algo.head_logprobs`), never holding
+[B, C, V] logits; elsewhere the model's own logits go through `token_logprobs_and_entropy`.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import transformers
 from packaging.version import Version
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import cpu_linears
-from mogrpo.errors import ConfigError
-
-
-def _compute_dtype(logits: Tensor) -> torch.dtype:
-    """float32, or float64 when the logits already are (never downcast)."""
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
-# Rows of logits upcast together: small enough that the float32 copy stays modest for a
-# 150k-token vocabulary, large enough that small models do a few big operations, not B small ones.
-CHUNK_BYTES = 64 * 2**20
+from mogrpo.algo.cpu_linear import CPULinear, cpu_linears
+from mogrpo.algo.head_logprobs import (
+    CHUNK_BYTES,
+    OutputHead,
+    check_temperature,
+    compute_dtype,
+    entropy_from,
+    head_logprobs,
+)
 
 
 def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[slice, Tensor]]:
@@ -35,9 +38,8 @@ def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[slice, 
     Working in row chunks keeps the float32 temporary at about CHUNK_BYTES instead of
     [B, T, V], which is what matters for bf16 models with 150k-token vocabularies.
     """
-    if not temperature > 0:
-        raise ConfigError(f"sampling temperature must be > 0, got {temperature!r}")
-    dtype = _compute_dtype(logits)
+    check_temperature(temperature)
+    dtype = compute_dtype(logits.dtype)
     B, T, V = logits.shape
     rows = max(1, CHUNK_BYTES // max(1, T * V * torch.finfo(dtype).bits // 8))
     for start in range(0, B, rows):
@@ -61,8 +63,8 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     H = logsumexp(z) - sum_v p_v z_v.
     """
     if logits.shape[0] == 0:
-        return logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
-    return torch.cat([_entropy(z, torch.logsumexp(z, dim=-1))
+        return logits.new_zeros(logits.shape[:2], dtype=compute_dtype(logits.dtype))
+    return torch.cat([entropy_from(z, torch.logsumexp(z, dim=-1))
                       for _, z in _scaled_chunks(logits, temperature)])  # [B, T]
 
 
@@ -71,7 +73,7 @@ def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: flo
     """`token_logprobs` and, when asked, `token_entropy` (without gradients) from one pass
     over each chunk of logits: both start from the same logsumexp."""
     if logits.shape[0] == 0:
-        empty = logits.new_zeros(logits.shape[:2], dtype=_compute_dtype(logits))
+        empty = logits.new_zeros(logits.shape[:2], dtype=compute_dtype(logits.dtype))
         return empty, empty.clone() if with_entropy else None
     logp, entropy = [], []
     for rows, z in _scaled_chunks(logits, temperature):  # z [b, T, V]
@@ -79,7 +81,7 @@ def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: flo
         logp.append(picked)
         if with_entropy:
             with torch.no_grad():
-                entropy.append(_entropy(z, lse))
+                entropy.append(entropy_from(z, lse))
     return torch.cat(logp), torch.cat(entropy) if with_entropy else None
 
 
@@ -108,14 +110,6 @@ class _PickedLogProb(torch.autograd.Function):
         # logsumexp's backward, as autograd writes it: grad * exp(z - lse), its grad being -grad
         grad_z = (-grad).unsqueeze(-1) * (z - lse.unsqueeze(-1)).exp()
         return grad_z.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1)), None
-
-
-def _entropy(z: Tensor, lse: Tensor) -> Tensor:
-    """logsumexp(z) - sum_v p_v z_v for z [b, T, V] and its logsumexp [b, T]. p is 0 where
-    z = -inf (masked vocabulary entries), and 0 * -inf is NaN: nansum leaves those terms out (a
-    NaN logit still makes the entropy NaN, through the logsumexp)."""
-    p = torch.softmax(z, dim=-1)
-    return lse - torch.nansum(p * z, dim=-1)
 
 
 def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
@@ -207,10 +201,73 @@ def _cache_argument(model: nn.Module) -> str:
     return _CACHE_SINCE_5_24
 
 
-def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
-                       completion_ids: Tensor, completion_mask: Tensor,
-                       groups: tuple[Tensor, Tensor] | None) -> Tensor:
-    """Logits [B, C, V] at the positions that predict each completion token.
+# Model types whose causal LM's output is its head's product of the last hidden states and
+# nothing else (checked family by family: tests/unit/test_head_logprobs.py), and those whose
+# forward then applies a tanh cap, ``final_logit_softcapping``, which `head_logprobs`
+# reproduces. Any other model, or one of these whose config asks for an output scale, keeps the
+# full logits.
+PLAIN_HEAD_TYPES = frozenset({"falcon", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "opt",
+                              "phi3", "qwen2", "qwen3"})
+SOFTCAP_HEAD_TYPES = frozenset({"gemma2"})
+_OUTPUT_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def output_head(model: nn.Module) -> OutputHead | None:
+    """The head `completion_logprobs` projects the last hidden states with, chunk by chunk; None
+    where the model's logits must come from its own forward: a family not known to output
+    ``lm_head(hidden)`` (with Gemma 2's tanh cap at most), a config with an output scale, a
+    head that is not a plain `nn.Linear` (LoRA or modules_to_save on it, quantised) or that
+    something else wraps (accelerate's hooks), torch.compile'd or FSDP2-sharded models (the
+    compiled graph, the shards)."""
+    chain = list(wrapper_chain(model))
+    lm = chain[-1]
+    config = getattr(lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    softcap = None
+    if model_type in SOFTCAP_HEAD_TYPES:
+        softcap = getattr(config, "final_logit_softcapping", None)
+    elif model_type not in PLAIN_HEAD_TYPES or \
+            any(getattr(config, name, None) is not None for name in _OUTPUT_SCALES):
+        return None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if type(head) not in (nn.Linear, CPULinear) or "forward" in vars(head) \
+            or head._forward_hooks or head._forward_pre_hooks:
+        return None
+    if sharded(model) or any(hasattr(m, "_orig_mod") for m in chain):
+        return None
+    return OutputHead(head, None if softcap is None else float(softcap))
+
+
+@contextmanager
+def _head_inputs(head: OutputHead | None) -> Iterator[list[Tensor]]:
+    """While open, `head`'s forward records its input — the last hidden states the model would
+    project, after its final norm and ``logits_to_keep`` slice — and returns an empty
+    [..., 0] tensor in place of the logits (the model's code after the head, such as Gemma 2's
+    cap, then costs nothing). Through every wrapper's forward (peft, DDP), so their hooks run.
+    Nothing is patched when `head` is None."""
+    seen: list[Tensor] = []
+    if head is None:
+        yield seen
+        return
+
+    def record(x: Tensor) -> Tensor:
+        seen.append(x)
+        return x[..., :0]
+
+    module = head.module
+    module.forward = record
+    try:
+        yield seen
+    finally:
+        del module.forward
+
+
+def _completion_outputs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                        completion_ids: Tensor, completion_mask: Tensor,
+                        groups: tuple[Tensor, Tensor] | None,
+                        head: OutputHead | None = None) -> Tensor:
+    """At the positions that predict each completion token: the last hidden states [B, C, H]
+    that `head` projects, where it is given (`output_head`); else the logits [B, C, V].
 
     The K completions of a group share their prompt, so given the `distinct_prompts` groups
     each distinct prompt runs once: its keys and values, computed with
@@ -223,35 +280,39 @@ def _completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
-    with cpu_linears(model):  # CPU float32: the linears on the faster kernel, both passes
+    # CPU float32: the linears on the faster kernel, both passes
+    with cpu_linears(model), _head_inputs(head) as seen:
+        def out(result) -> Tensor:  # what the head saw, or the logits it gave
+            return seen.pop() if head is not None else result.logits
+
         if groups is None:
             kwargs = {}
             if _accepts_logits_to_keep(model):
-                # Only positions P-1 .. P+C-1 are projected onto the vocabulary.
+                # Only positions P-1 .. P+C-1 reach the head.
                 kwargs["logits_to_keep"] = C + 1
-            logits = model(
+            states = out(model(
                 input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
                 attention_mask=attention_mask,
                 position_ids=token_positions(attention_mask),
                 use_cache=False,
                 **kwargs,
-            ).logits
-            # The logit at position t predicts token t+1: keep P-1 .. P+C-2.
-            return logits[:, -(C + 1) : -1, :]
+            ))
+            # The state at position t predicts token t+1: keep P-1 .. P+C-2.
+            return states[:, -(C + 1) : -1, :]
         distinct, inverse = groups
         mask = distinct[:, P:]
         prompts = model(input_ids=distinct[:, :P], attention_mask=mask,
                         position_ids=token_positions(mask), use_cache=True, logits_to_keep=1)
-        first = prompts.logits[inverse]  # [B, 1, V]: predicts completion token 0
+        first = out(prompts)[inverse]  # [B, 1, ·]: predicts completion token 0
         if C == 1:
             return first
         name = _cache_argument(model)
         cache = getattr(prompts, name)
         cache.reorder_cache(inverse)  # row b gets its prompt's keys and values
         attention_mask = attention_mask[:, : P + C - 1]
-        rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
-                     position_ids=token_positions(attention_mask)[:, P:], **{name: cache},
-                     use_cache=True).logits  # [B, C-1, V]: predict tokens 1 .. C-1
+        rest = out(model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask,
+                         position_ids=token_positions(attention_mask)[:, P:], **{name: cache},
+                         use_cache=True))  # [B, C-1, ·]: predict tokens 1 .. C-1
     return torch.cat([first, rest], dim=1)
 
 
@@ -272,10 +333,16 @@ def completion_logprobs(
     prompt_ids/prompt_mask [B, P] are left-padded; completion_ids/completion_mask [B, C]
     right-padded. Position ids are ``cumsum(attention_mask) - 1`` -- the positions HF
     ``generate`` gave the tokens -- so padding does not shift rotary/learned positions. Rows
-    sharing a prompt run it once (`_completion_logits`) where `share_prompts` says so — by
+    sharing a prompt run it once (`_completion_outputs`) where `share_prompts` says so — by
     default where the model allows it (`shares_prompts`); a pass whose log-probs are compared
     with another model's (the reference with the policy) takes the other's choice, so both run
     the same arithmetic.
+
+    Where `output_head` finds a plain head, the last hidden states of the completion tokens
+    (padding left out) are projected a chunk of tokens at a time (`head_logprobs`: no [B, C, V]
+    logits, in the forward or the backward); elsewhere the model's own logits are used. Both
+    give the same values to float rounding; every pass of one model takes the same path, so
+    the policy's, rollout-time and reference log-probs agree to the bit while weights are equal.
 
     Returns ``(logp, entropy)``, both [B, C] float32; ``entropy`` is None unless
     ``with_entropy``. Positions where ``completion_mask == 0`` are set to 0. ``logp`` carries
@@ -284,17 +351,30 @@ def completion_logprobs(
     :func:`token_entropy` directly for an entropy bonus).
 
     ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups)`` may
-    compute the [B, C, V] logits of rows that share prompts instead (mogrpo's own forward for
-    passes without gradients, `mogrpo.rollout.scoring.score_logits`); where it returns None the
-    model's forward runs.
+    compute the last hidden states [B, C, H] (after the final norm) of rows that share prompts
+    instead (mogrpo's own forward, `mogrpo.rollout.scoring.score_hidden`), for models with a
+    plain head; where it returns None the model's forward runs.
     """
     args = (prompt_ids, prompt_mask, completion_ids, completion_mask)
     share = shares_prompts(model) if share_prompts is None else share_prompts
     groups = distinct_prompts(prompt_ids, prompt_mask) if share else None
-    logits = forward(model, *args, groups) if forward and groups is not None else None
-    if logits is None:
-        logits = _completion_logits(model, *args, groups)  # [B, C, V]
+    head = output_head(model)
     keep = completion_mask.bool()  # [B, C]
-    logp, entropy = token_logprobs_and_entropy(logits, completion_ids, temperature, with_entropy)
-    return logp.masked_fill(~keep, 0.0), \
-        entropy.masked_fill(~keep, 0.0) if entropy is not None else None
+    if head is None:
+        logits = _completion_outputs(model, *args, groups)  # [B, C, V]
+        logp, entropy = token_logprobs_and_entropy(logits, completion_ids, temperature,
+                                                   with_entropy)
+        return logp.masked_fill(~keep, 0.0), \
+            entropy.masked_fill(~keep, 0.0) if entropy is not None else None
+    hidden = forward(model, *args, groups) if forward and groups is not None else None
+    if hidden is None:
+        hidden = _completion_outputs(model, *args, groups, head)  # [B, C, H]
+    # only the completion's real tokens are projected; padding stays 0
+    logp, entropy = head_logprobs(hidden[keep], head, completion_ids[keep], temperature,
+                                  with_entropy)  # [n] each
+    return _scatter(logp, keep), _scatter(entropy, keep) if entropy is not None else None
+
+
+def _scatter(values: Tensor, keep: Tensor) -> Tensor:
+    """values [n] at the True positions of keep [B, C], 0 elsewhere: [B, C]."""
+    return values.new_zeros(keep.shape).masked_scatter(keep, values)

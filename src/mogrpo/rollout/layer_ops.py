@@ -1,4 +1,4 @@
-"""The arithmetic of a decoder layer that the native decode loop and `score_logits` share:
+"""The arithmetic of a decoder layer that the native decode loop and `score_hidden` share:
 RMSNorm in fewer operations, the rotary turn of q and k (by halves, or as complex pairs), and
 the one-query attention of a decode step."""
 

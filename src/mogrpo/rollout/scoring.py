@@ -1,9 +1,11 @@
-"""`score_logits()`: the native engine's layers run over whole completions, for the passes that
+"""`score_hidden()`: the native engine's layers run over whole completions, for the passes that
 score them — the KL reference and rollout-time log-probs without gradients, and on a CPU the
 update's forward with them (`trains_here`).
 
-Each distinct prompt runs once, with the model's own linear products, and the log-probs equal
-the model's forward bit for bit where it applies (float32 RMSNorm models: Llama, Mistral,
+Each distinct prompt runs once, with the model's own linear products. It returns the last
+hidden states, which `completion_logprobs` projects onto the vocabulary a chunk of tokens at a
+time, as it does the model's own; the log-probs equal the model's forward bit for bit where it
+applies (float32 RMSNorm models: Llama, Mistral,
 Qwen2, Qwen3, Phi-3): KL is exactly 0 while the policy equals its reference, and the policy's
 log-probs equal the reference's to the bit while their weights are equal.
 """
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from mogrpo.algo.cpu_linear import linear, trained_linear
 from mogrpo.algo.logprobs import (
     distinct_prompts,
+    output_head,
     sharded,
     shares_prompts,
     token_positions,
@@ -40,7 +43,7 @@ from mogrpo.rollout.projections import projection_names
 
 
 def _scoring_linear(module: nn.Module) -> Linear | None:
-    """(weight, bias) a projection computes with for `score_logits`: an nn.Linear's, or a peft
+    """(weight, bias) a projection computes with for `score_hidden`: an nn.Linear's, or a peft
     LoRA layer's base weights while its adapters are switched off (the KL reference under
     LoRA); None for anything else (active adapters, quantised layers), whose model then takes
     the Hugging Face forward."""
@@ -56,7 +59,7 @@ def _scoring_linear(module: nn.Module) -> Linear | None:
 
 @dataclass
 class _ScoringLayer:
-    """One layer's weights as `score_logits` uses them (unfused: the model's own products)."""
+    """One layer's weights as `score_hidden` uses them (unfused: the model's own products)."""
 
     attention: Attention
     qkv: list[Linear]  # [q, k, v], or [qkv] for Phi-3's fused projection
@@ -68,7 +71,7 @@ class _ScoringLayer:
 
 
 def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
-    """Every layer's weights for `score_logits`, or None when a layer does not fit: a norm
+    """Every layer's weights for `score_hidden`, or None when a layer does not fit: a norm
     other than float32 RMSNorm, a per-head q/k norm other than an RMSNorm over the head, rotary
     tables not in rotate-half form, or a projection `_scoring_linear` cannot read."""
     layers, (attention, halves) = list(lm.model.layers), layout_of(lm)
@@ -92,12 +95,13 @@ def _scoring_layers(lm: nn.Module) -> list[_ScoringLayer] | None:
     return found
 
 
-def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+def score_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
                  completion_ids: Tensor, completion_mask: Tensor,
                  groups: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
-    """Logits [B, C, V] predicting each completion token (the KL reference, rollout-time
-    log-probs, and on a CPU the update's own forward), or None where the model needs its own
-    forward.
+    """The last hidden states [B, C, H] (after the final norm) that predict each completion
+    token (the KL reference, rollout-time log-probs, and on a CPU the update's own forward),
+    or None where the model needs its own forward. The output head, a plain `nn.Linear` here,
+    is left to the caller (`completion_logprobs` projects a chunk of tokens at a time).
 
     The Hugging Face forward of rows sharing prompts (`groups` from `distinct_prompts`, found
     here when not given; None when every row has its own prompt) in fewer operations: each
@@ -119,8 +123,8 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
     C = completion_ids.shape[1]
     if unsupported_reason(model, P + C) is not None:
         return None
-    head, final = lm.get_output_embeddings(), rms_norm_of(lm.model.norm)
-    if type(head) is not nn.Linear or final is None:
+    final = rms_norm_of(lm.model.norm)
+    if output_head(model) is None or final is None:  # nothing to project these states with
         return None
     layers = _scoring_layers(lm)
     if layers is None:
@@ -166,20 +170,20 @@ def score_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
             else:
                 gate, up = (project(h, *w) for w in layer.gate_up)
             xs[s] = x + project(layer.act(gate) * up, *layer.down)
-    # [B, 1, V] predicting completion token 0, then [B, T, V]
-    logits = [project(rms(xs[0][:, -1:], final), head.weight, head.bias)[inverse]]
+    # [B, 1, H] predicting completion token 0, then [B, T, H]
+    hidden = [rms(xs[0][:, -1:], final)[inverse]]
     if T > 0:
-        logits.append(project(rms(xs[1], final), head.weight, head.bias))
-    return torch.cat(logits, dim=1)
+        hidden.append(rms(xs[1], final))
+    return torch.cat(hidden, dim=1)
 
 
 def trains_here(model: nn.Module) -> bool:
-    """Whether `score_logits` may compute `model`'s update forward, with gradients: CPU
+    """Whether `score_hidden` may compute `model`'s update forward, with gradients: CPU
     weights (where it is measured faster than the Hugging Face forward: forward and backward
     4-8 % less time at 0.7 M parameters on a Xeon: `benchmarks/cpu_choices.py`), a forward
     that may share prompts (`shares_prompts`: no DDP wrapper, whose forward prepares its
     gradient reduction, no activation checkpointing), not torch.compile'd (the compiled forward
-    is kept), and no dropout left in the model (`score_logits` applies none)."""
+    is kept), and no dropout left in the model (`score_hidden` applies none)."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or not shares_prompts(model):
         return False

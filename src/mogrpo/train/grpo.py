@@ -32,7 +32,7 @@ from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
 from mogrpo.rollout.batching import concat_rollouts, select_groups
 from mogrpo.rollout.generate import Rollout, generate_rollout
-from mogrpo.rollout.scoring import score_logits
+from mogrpo.rollout.scoring import score_hidden
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -281,13 +281,13 @@ class GRPOTrainer:
             width = args[2].shape[1]
             if need_old:
                 logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
-                                           forward=score_logits, share_prompts=share)[0]
+                                           forward=score_hidden, share_prompts=share)[0]
                 if keep:
                     old[rows, :width] = logp
             if need_ref:
                 with self.reference.model() as ref_model:
                     logp = completion_logprobs(ref_model, *args, temperature=temperature,
-                                               forward=score_logits, share_prompts=share)[0]
+                                               forward=score_hidden, share_prompts=share)[0]
                 if keep:
                     ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
@@ -326,7 +326,7 @@ class GRPOTrainer:
                 # reference passes' arithmetic, in fewer operations than the model's forward
                 logp, entropy = completion_logprobs(
                     policy, *args, temperature=self.ctx.sampling.temperature, with_entropy=it == 0,
-                    forward=score_logits,
+                    forward=score_hidden,
                 )
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None

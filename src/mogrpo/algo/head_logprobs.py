@@ -1,0 +1,193 @@
+"""Token log-probs from the last hidden states and the output head, a chunk of tokens at a time:
+the [N, V] logits are never held whole, in the forward or the backward.
+
+Projecting every completion token onto the vocabulary and keeping the logits for the backward
+costs N x V values: at V = 151,936 and 16 x 512 tokens, 2.5 GB in bf16 per pass, plus their
+float32 copy and gradient. `_HeadLogProb` keeps only what the backward cannot cheaply recompute
+— the hidden states [N, H], the head's weight (and bias), the targets and each token's
+logsumexp — and computes each chunk's logits again in the backward. This is the idea of Liger
+Kernel's fused linear cross-entropy and of Cut Cross-Entropy (Wijmans et al., arXiv
+2411.09009), for a per-token output with any upstream gradient (a loss's gradient is not known
+in the forward here, so the backward recomputes rather than the forward precomputing).
+
+A chunk's arithmetic is the full-logit path's, row for row: logits in the model's dtype, an
+optional tanh cap (Gemma 2's ``final_logit_softcapping``, in the model's dtype as its forward
+applies it), upcast to at least float32, divided by the sampling temperature, then
+``gather - logsumexp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mogrpo.algo.cpu_linear import linear, product, usable, weight_product
+from mogrpo.errors import ConfigError
+
+# Logits computed together, in bytes of the float32 copy: small enough that a chunk's few
+# temporaries stay modest at a 150k-token vocabulary (~110 tokens a chunk), large enough that
+# small models do one or a few big products rather than many small ones.
+CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """The output head as `head_logprobs` projects with it: an `nn.Linear` (possibly tied to
+    the input embeddings) and the tanh cap the model applies to its logits, if any."""
+
+    module: nn.Linear
+    softcap: float | None = None
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.module.bias
+
+
+def check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ConfigError(f"sampling temperature must be > 0, got {temperature!r}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 when the logits already are (never downcast)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def chunk_rows(vocab: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk: CHUNK_BYTES of logits in `dtype`."""
+    return max(1, CHUNK_BYTES // max(1, vocab * torch.finfo(dtype).bits // 8))
+
+
+def entropy_from(z: Tensor, lse: Tensor) -> Tensor:
+    """logsumexp(z) - sum_v p_v z_v for z [..., V] and its logsumexp [...]. p is 0 where
+    z = -inf (masked vocabulary entries), and 0 * -inf is NaN: nansum leaves those terms out (a
+    NaN logit still makes the entropy NaN, through the logsumexp)."""
+    p = torch.softmax(z, dim=-1)
+    return lse - torch.nansum(p * z, dim=-1)
+
+
+def head_logprobs(hidden: Tensor, head: OutputHead, targets: Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target under ``softmax(cap(head(hidden)) / temperature)`` and, when
+    asked, the entropy of that distribution (without gradients).
+
+    hidden [N, H] (the last hidden states, after the final norm), targets [N] int ->
+    ([N], [N] or None), float32 (float64 for a float64 head). Gradients reach the hidden
+    states, the head's weight and its bias; the logits are computed `chunk_rows` tokens at a
+    time, again in the backward, so no [N, V] tensor is kept.
+    """
+    check_temperature(temperature)
+    weight, bias = head.weight, head.bias
+    args = (hidden.contiguous(), weight, bias, targets.long(), float(temperature), head.softcap,
+            with_entropy)
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if grads:
+        logp, entropy = _HeadLogProb.apply(*args)
+    else:
+        logp, entropy, _ = _forward(*args)
+    return logp, entropy if with_entropy else None
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+            softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """(z, tanh) for h [n, H]: z [n, V] = cap(h W^T + b) upcast, / temperature, as the
+    full-logit path computes it; tanh the cap's tanh [n, V] (its backward needs it), or None."""
+    raw = linear(h, weight, bias)  # [n, V] in the model's dtype
+    tanh = None
+    if softcap is not None:  # Gemma 2's order: / cap, tanh, * cap, in the model's dtype
+        tanh = torch.tanh(raw / softcap)
+        raw = tanh * softcap
+    z = raw.to(compute_dtype(raw.dtype))  # a fresh tensor either way: divided in place
+    return (z.div_(temperature) if temperature != 1.0 else z), tanh
+
+
+def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+             temperature: float, softcap: float | None, with_entropy: bool
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp [N], entropy [N] or [0], logsumexp [N]), one chunk of tokens at a time."""
+    N, dtype = hidden.shape[0], compute_dtype(weight.dtype)
+    logp = hidden.new_empty(N, dtype=dtype)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+    rows = chunk_rows(weight.shape[0], dtype)
+    for s in range(0, N, rows):
+        z, _ = _logits(hidden[s:s + rows], weight, bias, temperature, softcap)  # [n, V]
+        lse[s:s + rows] = torch.logsumexp(z, dim=-1)
+        picked = z.gather(-1, targets[s:s + rows, None]).squeeze(-1)  # [n]
+        logp[s:s + rows] = picked - lse[s:s + rows]
+        if with_entropy:
+            entropy[s:s + rows] = entropy_from(z, lse[s:s + rows])
+    return logp, entropy, lse
+
+
+class _HeadLogProb(torch.autograd.Function):
+    """`_forward` with a backward that recomputes each chunk's logits from the saved hidden
+    states and weight: the saved tensors are O(N H + V H), not O(N V)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
+                targets: Tensor, temperature: float, softcap: float | None,
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
+        logp, entropy, lse = _forward(hidden, weight, bias, targets, temperature, softcap,
+                                      with_entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.softcap = temperature, softcap
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _entropy: Tensor | None  # type: ignore[override]
+                 ) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        T, cap = ctx.temperature, ctx.softcap
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # weight and bias gradients summed over chunks in at least float32: a bf16 sum rounded
+        # once per chunk would lose what the one product of the full-logit path keeps
+        acc = compute_dtype(weight.dtype)
+        grad_w = grad_b = None
+        rows = chunk_rows(weight.shape[0], compute_dtype(weight.dtype))
+        for s in range(0, hidden.shape[0], rows):
+            h, g = hidden[s:s + rows], grad[s:s + rows, None]  # [n, H], [n, 1]
+            z, tanh = _logits(h, weight, bias, T, cap)  # [n, V]
+            # logsumexp's backward as autograd writes it, -g * exp(z - lse), in place in z;
+            # then the gathered entry's +g
+            dz = z.sub_(lse[s:s + rows, None]).exp_().mul_(-g)
+            dz.scatter_add_(-1, targets[s:s + rows, None], g)
+            if T != 1.0:
+                dz.div_(T)
+            d_raw = dz.to(weight.dtype)  # [n, V]: the gradient of the model-dtype logits
+            if tanh is not None:  # autograd's order: * cap, tanh's 1 - y^2, / cap
+                d_raw = d_raw * cap * (1 - tanh * tanh) / cap
+            if need_h:
+                grad_h[s:s + rows] = _times(d_raw, weight)  # [n, H]
+            if need_w:  # [V, H]
+                if grad_w is None:
+                    grad_w = _times_t(d_raw, h).to(acc)
+                elif grad_w.dtype == d_raw.dtype:  # in place: no [V, H] temporary
+                    grad_w.addmm_(d_raw.t(), h)
+                else:
+                    grad_w.add_(_times_t(d_raw, h))
+            if need_b:
+                part = d_raw.sum(0)  # [V]
+                grad_b = part.to(acc) if grad_b is None else grad_b.add_(part)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _times(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b, on the CPU training products' kernel for CPU float32 operands."""
+    return product(a, b.t()) if usable(a, b) else a @ b
+
+
+def _times_t(a: Tensor, b: Tensor) -> Tensor:
+    """a^T @ b, on the CPU training products' kernel for CPU float32 operands."""
+    return weight_product(a, b) if usable(a, b) else a.t() @ b

@@ -1,0 +1,301 @@
+"""Log-probs from the last hidden states, a chunk of tokens at a time (`head_logprobs`): the
+values and gradients of the full-logit path on every family of the architecture matrix, and
+none of its [N, V] tensors kept for the backward."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+import mogrpo.algo.head_logprobs as chunked
+import mogrpo.algo.logprobs as logprobs
+from mogrpo.algo.head_logprobs import OutputHead, head_logprobs
+from mogrpo.algo.logprobs import completion_logprobs, output_head, token_logprobs_and_entropy
+from mogrpo.modeling.dropout import disable_dropout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: architectures
+from architectures import FAMILIES, family_config  # noqa: E402
+
+V = 300
+IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _reference(hidden, weight, bias, targets, temperature, softcap=None):
+    """The full-logit path: the model's logits, its cap, then `token_logprobs_and_entropy`."""
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp, entropy = token_logprobs_and_entropy(logits[None], targets[None], temperature, True)
+    return logp[0], entropy[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("temperature", "softcap", "bias"),
+                         [(1.0, None, False), (0.7, None, True), (1.3, 2.0, True)])
+def test_chunks_give_the_full_logits_values_and_gradients(dtype, temperature, softcap, bias,
+                                                          monkeypatch):
+    torch.manual_seed(0)
+    N, H, vocab = 23, 16, 97
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 5 * vocab * 8)  # 5 or 10 tokens a chunk
+    hidden = (torch.randn(N, H) * 2).to(dtype)
+    weight, b = torch.randn(vocab, H).to(dtype), torch.randn(vocab).to(dtype) if bias else None
+    targets = torch.randint(0, vocab, (N,))
+    upstream = torch.randn(N).to(torch.promote_types(dtype, torch.float32))
+    results = []
+    for ours in (True, False):
+        h, w, b = (torch.nn.Parameter(t.clone()) if t is not None else None
+                   for t in (hidden, weight, b))
+        logp, entropy = head_logprobs(h, _head(w, b, softcap), targets, temperature, True) \
+            if ours else _reference(h, w, b, targets, temperature, softcap)
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), entropy, *(t.grad for t in (h, w, b) if t is not None)))
+    ours, theirs = results
+    assert ours[0].dtype == torch.promote_types(dtype, torch.float32)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _head(weight, bias=None, softcap=None) -> OutputHead:
+    """An `OutputHead` over an nn.Linear holding these parameters."""
+    layer = torch.nn.Linear(1, 1, bias=bias is not None)
+    layer.weight, layer.bias = weight, bias
+    return OutputHead(layer, softcap)
+
+
+def test_only_hidden_states_targets_and_logsumexp_are_kept_for_the_backward():
+    torch.manual_seed(0)
+    N, H, vocab = 40, 8, 5000
+    layer = torch.nn.Linear(H, vocab, bias=False)
+    hidden = torch.randn(N, H, requires_grad=True)
+    targets = torch.randint(0, vocab, (N,))
+    saved = _saved_storages(lambda: head_logprobs(hidden, OutputHead(layer), targets, 0.8)[0])
+    # (the weight, a parameter, is kept by either path)
+    assert sorted(saved.values()) == [N * 4, N * 8, N * H * 4]  # logsumexp, targets, hidden
+    full = _saved_storages(lambda: _reference(hidden, layer.weight, None, targets, 0.8)[0])
+    assert max(full.values()) == N * vocab * 4  # the float32 logits / T
+
+
+def test_bf16_weight_gradient_sums_chunks_in_float32(monkeypatch):
+    """A bf16 weight gradient rounded once per chunk would drift from the one product of the
+    full-logit path; summed in float32 it stays as close to the float64 truth."""
+    torch.manual_seed(0)
+    N, H, vocab = 512, 32, 1024
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 8 * vocab * 4)  # 8 tokens a chunk: 64 chunks
+    hidden, weight = torch.randn(N, H), torch.randn(vocab, H) * 0.3
+    targets = torch.randint(0, vocab, (N,))
+
+    def weight_grad(dtype, ours):
+        w = torch.nn.Parameter(weight.to(dtype))
+        h = hidden.to(dtype)
+        logp = head_logprobs(h, _head(w), targets)[0] if ours else \
+            _reference(h, w, None, targets, 1.0)[0]
+        logp.sum().backward()
+        return w.grad.double()
+
+    truth = weight_grad(torch.float64, False)
+    ours = (weight_grad(torch.bfloat16, True) - truth).abs().mean()
+    theirs = (weight_grad(torch.bfloat16, False) - truth).abs().mean()
+    assert ours < 1.5 * theirs
+
+
+# ---------------------------------------------------------------- on the families' models
+
+
+def _model(family: str, scale: float = 8.0, **changes) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "qwen3":  # not among the architecture matrix's families
+        config = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, head_dim=8, **IDS)
+    else:
+        config = family_config(family, vocab_size=V, **changes)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for module in model.modules():  # norms' weights drawn, so that they count
+            if type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+                module.weight.uniform_(0.5, 1.5)
+        # logits of a few units, not ~0.1: a softmax far from uniform, a cap far from linear
+        model.get_output_embeddings().weight.mul_(scale)
+    disable_dropout(model)  # as mogrpo loads models: every pass deterministic
+    return model.train()
+
+
+def _batch(K: int = 3):
+    """3 prompts (lengths 5, 3, 7, left-padded to 7) x K completions of lengths 1..6 (C = 6)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    P, C, B = 7, 6, 3 * K
+    prompt_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts]).repeat_interleave(K, 0)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    lengths = torch.randint(1, C + 1, (B,), generator=g)
+    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(3, V, (B, C), generator=g) * completion_mask
+    return prompt_ids, prompt_mask.repeat_interleave(K, 0), completion_ids, completion_mask
+
+
+def _logprobs_and_grads(model, batch, monkeypatch, *, full: bool, shared: bool):
+    """(logp, entropy, every parameter's gradient) of one forward and backward."""
+    with monkeypatch.context() as m:
+        if full:  # today's path: the model's own [B, C, V] logits
+            m.setattr(logprobs, "output_head", lambda model: None)
+        if not shared:
+            m.setattr(logprobs, "shares_prompts", lambda model: False)
+        logp, entropy = completion_logprobs(model, *batch, temperature=0.8, with_entropy=True)
+        with torch.no_grad():  # the reference's pass: the update's log-probs to the bit
+            scored, _ = completion_logprobs(model, *batch, temperature=0.8)
+    assert torch.equal(scored, logp.detach())
+    (logp * torch.linspace(-1, 2, logp.numel()).view(logp.shape)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return logp.detach(), entropy, grads
+
+
+CASES = [(f, {}) for f in FAMILIES] + [("qwen3", {}), ("gemma2", {"final_logit_softcapping": 0.5})]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "one-pass"])
+@pytest.mark.parametrize(("family", "changes"), CASES,
+                         ids=[f + ("-cap0.5" if c else "") for f, c in CASES])
+def test_each_family_gets_the_full_logits_values_and_gradients(family, changes, shared,
+                                                               monkeypatch):
+    model = _model(family, **changes)
+    head = output_head(model)
+    assert head is not None
+    assert head.softcap == (model.config.final_logit_softcapping if family == "gemma2" else None)
+    batch = _batch()
+    chunks = []
+    logits = chunked._logits
+    monkeypatch.setattr(chunked, "_logits", lambda h, *a: chunks.append(len(h)) or logits(h, *a))
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * V * 4)  # 4 tokens a chunk
+    ours = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=shared)
+    tokens = int(batch[3].sum())
+    # the forward with gradients, the one without, the backward; no padding
+    assert sum(chunks) == 3 * tokens and max(chunks) == 4
+    theirs = _logprobs_and_grads(model, batch, monkeypatch, full=True, shared=shared)
+    assert sum(chunks) == 3 * tokens  # the full path projects with the model's head
+    for a, b in zip(ours[:2], theirs[:2], strict=True):  # log-probs, entropies
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(ours[2]) == len(theirs[2]) == len(list(model.parameters()))
+    for a, b in zip(ours[2], theirs[2], strict=True):  # tied embeddings included
+        _assert_close_to_scale(a, b)
+
+
+def _assert_close_to_scale(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    """|a - b| <= tol, or tol times b's largest entry where that exceeds 1: float32 rounding
+    scales with the gradient (Gemma 2's embedding gradients reach ~300 here, and the
+    full-logit path's own two forwards, shared prompts or not, differ by ~1e-4 there)."""
+    assert (a - b).abs().max() <= tol * max(1.0, b.abs().max().item())
+
+
+def test_the_cap_is_applied_so_the_test_above_can_fail(monkeypatch):
+    model = _model("gemma2", final_logit_softcapping=0.5)
+    batch = _batch()
+    capped = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=True)[0]
+    monkeypatch.setattr(logprobs, "output_head",
+                        lambda model: OutputHead(model.get_output_embeddings()))
+    uncapped = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=True)[0]
+    assert (capped - uncapped).abs().max() > 0.1
+
+
+class _NoLogitsToKeep(LlamaForCausalLM):
+    """A Llama whose forward takes no ``logits_to_keep`` (remote code written before it):
+    its head sees every position."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, use_cache=use_cache)
+
+
+def test_a_forward_without_logits_to_keep(monkeypatch):
+    torch.manual_seed(0)
+    model = _NoLogitsToKeep(family_config("llama", vocab_size=V)).train()
+    assert not logprobs._accepts_logits_to_keep(model) and output_head(model) is not None
+    batch = _batch()
+    seen = []
+    model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: seen.append((args[0].shape, out.shape)))
+    monkeypatch.setattr(logprobs, "output_head",  # (the hook above would turn the path off)
+                        lambda model: OutputHead(model.get_output_embeddings()))
+    ours = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=False)
+    # every position of every row reaches the head, which projects none of them
+    assert seen == [((9, 7 + 6, 32), (9, 7 + 6, 0))] * 2  # with gradients, then without
+    theirs = _logprobs_and_grads(model, batch, monkeypatch, full=True, shared=False)
+    assert seen[2] == ((9, 7 + 6, 32), (9, 7 + 6, V))
+    for a, b in zip([*ours[:2], *ours[2]], [*theirs[:2], *theirs[2]], strict=True):
+        _assert_close_to_scale(a, b)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # raised inside peft on transformers 5
+def test_lora_gets_the_chunked_path_unless_it_adapts_the_head(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    def lora(targets):
+        return get_peft_model(_model("qwen2"), LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False))
+
+    model = lora("all-linear")  # every linear but the head
+    assert output_head(model) is not None
+    batch = _batch()
+    ours = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=True)
+    theirs = _logprobs_and_grads(model, batch, monkeypatch, full=True, shared=True)
+    assert len(ours[2]) == 2 * 7 * 2  # the adapters' A and B only
+    for a, b in zip([*ours[:2], *ours[2]], [*theirs[:2], *theirs[2]], strict=True):
+        _assert_close_to_scale(a, b)
+    assert output_head(lora(["q_proj", "lm_head"])) is None  # LoRA on the head: full logits
+
+
+def test_models_whose_logits_are_not_the_heads_product_keep_the_full_logits():
+    model = _model("llama")
+    assert output_head(model) is not None
+    model.config.logit_scale = 2.0  # an output scale this path does not apply
+    assert output_head(model) is None
+    model.config.logit_scale = None
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, a, out: out * 2)
+    assert output_head(model) is None  # something else wraps the head (accelerate's hooks)
+    handle.remove()
+    assert output_head(torch.compile(model)) is None  # the compiled graph has the head inside
+    starcoder = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "starcoder2", vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, **IDS))
+    assert output_head(starcoder) is None  # a family not checked here
+
+
+# ---------------------------------------------------------------- memory kept for the backward
+
+
+def _saved_storages(fn) -> dict[int, int]:
+    """{storage: bytes} of every tensor `fn` saves for the backward, parameters left out."""
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_a_forward_keeps_far_less_for_the_backward_than_the_full_logits(monkeypatch):
+    vocab = 16384
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=vocab)).train()
+    batch = _batch()
+
+    def saved(full: bool) -> int:
+        with monkeypatch.context() as m:
+            if full:
+                m.setattr(logprobs, "output_head", lambda model: None)
+            return sum(_saved_storages(lambda: completion_logprobs(
+                model, *batch, temperature=0.8, with_entropy=True)).values())
+
+    ours, theirs = saved(False), saved(True)
+    assert theirs - ours >= 9 * 6 * vocab * 4  # the float32 logits / T of every position
+    assert ours * 4 <= theirs
