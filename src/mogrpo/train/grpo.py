@@ -279,24 +279,25 @@ class GRPOTrainer:
         # the update's choice (its policy may be DDP-wrapped): the same rows then take the same
         # arithmetic here, and KL and ratios are exact while the policy equals them
         share = shares_prompts(self.parallel.module)
-        for rows in self.parallel.pad(micro_batches):
-            # None: another process has more rows; FSDP2's forwards are collective, so this
-            # one runs a row of its own alongside and keeps nothing
-            keep = rows is not None
-            args = micro_batch(batch.rollout, rows if keep else first_row(micro_batches[0]))
-            width = args[2].shape[1]
-            if need_old:
-                with self.ctx.precision.autocast():  # as the update's forward computes
+        # under the update's autocast; one context, so the policy's weights are cast once
+        with self.ctx.precision.autocast():
+            for rows in self.parallel.pad(micro_batches):
+                # None: another process has more rows; FSDP2's forwards are collective, so
+                # this one runs a row of its own alongside and keeps nothing
+                keep = rows is not None
+                args = micro_batch(batch.rollout, rows if keep else first_row(micro_batches[0]))
+                width = args[2].shape[1]
+                if need_old:
                     logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
                                                forward=score_logits, share_prompts=share)[0]
-                if keep:
-                    old[rows, :width] = logp
-            if need_ref:
-                with self.reference.model() as ref_model, self.ctx.precision.autocast():
-                    logp = completion_logprobs(ref_model, *args, temperature=temperature,
-                                               forward=score_logits, share_prompts=share)[0]
-                if keep:
-                    ref[rows, :width] = logp
+                    if keep:
+                        old[rows, :width] = logp
+                if need_ref:
+                    with self.reference.model() as ref_model:
+                        logp = completion_logprobs(ref_model, *args, temperature=temperature,
+                                                   forward=score_logits, share_prompts=share)[0]
+                    if keep:
+                        ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
 
     def update(self, batch: ScoredBatch) -> dict[str, float]:
