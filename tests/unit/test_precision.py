@@ -301,4 +301,7 @@ def test_native_rollout_under_autocast_decodes_as_generate_does(tiny_policy, dty
     # the fused copies in autocast's dtype (cast once a rollout, not at every step)
     assert {w.dtype for layer in plain.layers for w, _ in (layer.qkv, layer.gate_up)} == {dtype}
     assert not plain.pairs
-    assert torch.equal(decode("native"), decode("hf"))
+    # the same greedy tokens as generate() under the same autocast (here all of them; two
+    # kernels' bf16 roundings may flip a near-tie on another CPU, hence the margin)
+    native, hf = decode("native"), decode("hf")
+    assert native.shape == hf.shape and float((native == hf).float().mean()) >= 0.9
