@@ -17,10 +17,9 @@ dtype: it is never updated, so it loses nothing, and that is where LoRA saves me
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 Precision = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
 COMPUTE_DTYPE = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16",
                  "bf16": "bfloat16"}
 """The dtype each precision computes in: what `model.dtype` must be, when it is set."""
