@@ -316,3 +316,26 @@ def test_a_curriculum_stage_survives_a_kill(tmp_path, tiny_model):
     assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2]
     assert main(["train", str(cut), "--resume", "auto"]) == 0
     assert metric_lines(tmp_path / "cut") == lines
+
+
+@pytest.mark.slow
+def test_bf16_mixed_full_finetune_resumes_bit_identically(tmp_path, tiny_model):
+    """A checkpoint holds the float32 master weights and AdamW states; the bfloat16 reference
+    is copied again from the weights GRPO started from: the resumed run equals the whole one."""
+    def bf16_mixed(name: str) -> Path:
+        path = write_config(tmp_path / f"{name}.yaml", tiny_model, tmp_path / name, 4,
+                            lora={"enabled": False})
+        data = yaml.safe_load(path.read_text())
+        data["model"]["precision"] = "bf16-mixed"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    assert train_in_subprocess(bf16_mixed("whole")) == 0
+    cut = bf16_mixed("cut")
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
+    a = load_file(tmp_path / "whole" / "final" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "final" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -131,6 +132,38 @@ def test_full_finetune_changes_weights_and_reloads(tmp_path, tiny_model, capsys)
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert metrics[0]["kl"] == 0.0  # the frozen copy equals the policy before any update
     assert len(metrics) == STEPS
+
+
+def test_bf16_mixed_full_finetune_on_cpu_trains_with_finite_metrics(tmp_path, tiny_model,
+                                                                   capsys):
+    """The GPU default, bf16-mixed, end to end on the CPU (bfloat16 autocast runs there too):
+    SFT warm-up, rollouts, reference and update passes and evals under autocast, float32
+    master weights, a bfloat16 reference copy, the final model saved in bfloat16."""
+    path = write_config(tmp_path, tiny_model, lora=False)
+    data = yaml.safe_load(path.read_text())
+    data["model"]["precision"] = "bf16-mixed"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["train", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "  device   cpu, bf16-mixed: float32 weights and AdamW states, bfloat16 compute" in err
+    assert "KL reference: a frozen copy of the policy" in err and "bfloat16)" in err
+    run = tmp_path / "run"
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        for key in ("loss", "kl", "policy/grad_norm", "policy/update_norm", "policy/entropy",
+                    "task/fairness/kl", "task/hallucination/kl"):
+            assert math.isfinite(m[key]), (m["step"], key, m[key])
+        assert m["policy/skipped_updates"] == 0 and m["rollout/nonfinite_logits"] == 0
+        assert m["policy/update_norm"] > 0  # the weights moved at every step
+    sft = read_jsonl(run / "sft_metrics.jsonl")
+    assert len(sft) == 12 and all(math.isfinite(m["sft/loss"]) for m in sft)
+    assert sft[-1]["sft/loss"] < sft[0]["sft/loss"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert all(math.isfinite(score) for score in summary["evals"]["end"].values())
+    final = run / "final" / "model"
+    assert {t.dtype for t in load_file(final / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_user_mistake_is_an_error_line_not_a_traceback(tmp_path, tiny_model, capsys):

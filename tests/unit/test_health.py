@@ -252,6 +252,18 @@ def test_non_finite_counts_bad_steps_and_stops_at_patience():
     assert "non_finite at step 40: NaN/inf on 3 steps, now in loss" in alert.message
 
 
+def test_fp16_overflows_are_the_loss_scalers_until_the_scale_falls_below_one():
+    monitor = HealthMonitor()
+
+    def overflow(step, m):  # from step 31 on, every step overflows and halves the scale
+        m["policy/grad_norm"], m["policy/loss_scale"] = math.inf, 2.0 ** (46 - step)
+
+    # 2^15, 2^14, ... : the scaler skipping updates is no divergence; from 2^-1 on (step 47)
+    # even unscaled gradients overflow, and the third such step stops the run
+    step, alert = only(fires_at(monitor, overflow, failing=20))
+    assert step == 49 and "now in policy/grad_norm" in alert.message
+
+
 def test_grad_spike():
     def spikes_at(*steps):
         return lambda s, m: m.update({"policy/grad_norm": 60.0}) if s in steps else None

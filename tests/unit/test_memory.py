@@ -53,8 +53,10 @@ def users_run(**changes) -> RunConfig:
 
 
 def qwen_full_run(**changes) -> RunConfig:
+    """Full fine-tuning in pure bf16 (weights and AdamW states), the figures below count; the
+    default on GPUs, bf16-mixed, is `test_bf16_mixed_full_fine_tuning_terms`."""
     data = {
-        "model": {"name_or_path": "qwen", "dtype": "bfloat16"},
+        "model": {"name_or_path": "qwen", "dtype": "bfloat16", "precision": "bf16"},
         "tasks": {"t": {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.04}},
         "rollout": {"num_generations": 4, "max_seq_length": 512, "max_prompt_length": 256,
                     "max_completion_length": 256},
@@ -134,7 +136,6 @@ def test_qwen_full_fine_tuning_terms():
     n = 1_543_714_304
     assert est["weights"] == est["gradients"] == est["reference"] == n * 2
     assert est["optimizer"] == n * 4  # torch AdamW keeps m, v in the bf16 parameters' dtype
-    assert estimate(QWEN_1_5B, run, master_weights=True)["optimizer"] == n * 12  # fp32 master, m, v
     assert estimate(QWEN_1_5B, qwen_full_run(tasks={"t": {"data": "x", "rewards": ["f"],
                                                           "beta": 0.0}}))["reference"] == 0
     # per token and layer: 8·1536 + 2·(2·1536 + 2·256) + 3·2·8960 + inputs of the trainable
@@ -144,6 +145,29 @@ def test_qwen_full_fine_tuning_terms():
     assert est["logits"] == 8 * 151_936 * (2 * 257 + 4 * 256)
     assert est["kv_cache"] == 2 * 28 * 256 * 2 * 512 * 8  # 2 KV heads: 28 KiB per token
     assert est["adamw_step"] == n * 2
+
+
+def test_bf16_mixed_full_fine_tuning_terms():
+    # model.dtype bfloat16 alone means bf16-mixed: float32 master weights, gradients and AdamW
+    # m, v; a bfloat16 reference copy, activations and KV cache; autocast's bfloat16 copy of
+    # every matmul weight (the head's too) while training and generating
+    n = 1_543_714_304
+    pure = estimate(QWEN_1_5B, qwen_full_run())
+    for mixed in (estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen",
+                                                           "dtype": "bfloat16"})),
+                  estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen"}))):
+        assert mixed["weights"] == mixed["gradients"] == mixed["adamw_step"] == n * 4
+        assert mixed["optimizer"] == n * 8
+        assert mixed["reference"] == n * 2
+        matmuls = Architecture.from_config(QWEN_1_5B).linear_params() + 151_936 * 1536
+        assert mixed["autocast"] == matmuls * 2
+        assert mixed.phase("generation") - pure.phase("generation") == matmuls * 2
+        for key in ("activations", "logits", "kv_cache"):
+            assert mixed[key] == pure[key]
+        assert "bf16-mixed" in mixed.title
+    # pure bf16: 8 B a parameter less of weights, gradients and m, v
+    assert estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen"})).phase("always") \
+        - pure.phase("always") == n * (2 + 4)
 
 
 def test_sft_warm_up_phase():
@@ -180,7 +204,7 @@ def test_eager_attention_adds_the_score_matrices():
 
 
 def test_fp32_cpu_estimate_uses_fp32_and_no_cuda_context():
-    est = estimate(QWEN_1_5B, qwen_full_run(model__dtype="auto"), device="cpu")
+    est = estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen"}), device="cpu")
     assert est["weights"] == 1_543_714_304 * 4 and est["overhead"] == 0
 
 

@@ -44,6 +44,7 @@ def one_step(tmp_path_factory, tiny_model_dir) -> tuple[dict, list[tuple[str, li
     base["rollout"].update(num_generations=2, max_completion_length=4)
     base["train"].update(micro_batch_size=4, gradient_accumulation_steps=1)  # 2 prompts
     base["algorithm"] = {"dynamic_sampling": True}
+    base["model"]["precision"] = "fp16-mixed"  # its loss scale (float16 autocast on the CPU)
     base["curriculum"] = {"stages": [{"name": "first", "until": {"steps": 1}}, {"name": "next"}]}
     config, _ = load_config(None, [], base=base)
     seed_everything(0)

@@ -47,7 +47,7 @@ context in which every `nn.Linear` of a model — its own, peft's base layers, t
 head — runs on the training products' kernel,
 with a backward whose three products (input, weight and bias gradients) run on it too, and
 peft's LoRA layers fused around them. All fall back to `F.linear` off CPUs, for other dtypes,
-and where the build has no oneDNN.
+under autocast (mixed precision), and where the build has no oneDNN.
 """
 
 from __future__ import annotations
@@ -166,9 +166,11 @@ def _cpuinfo() -> str:
 
 
 def usable(x: Tensor, w: Tensor) -> bool:
-    """The CPU kernels apply: CPU float32 operands, an input of at least 2 dimensions."""
+    """The CPU kernels apply: CPU float32 operands, an input of at least 2 dimensions, and no
+    CPU autocast (mixed precision: the product is then F.linear's in autocast's dtype, as in
+    the model's own forward; these kernels would compute it in float32)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.dim() >= 2 and w.dim() == 2)
+            and x.dim() >= 2 and w.dim() == 2 and not torch.is_autocast_enabled("cpu"))
 
 
 def pack(w: Tensor) -> Tensor:

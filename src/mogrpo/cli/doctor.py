@@ -107,7 +107,8 @@ def _features(torch: Any, cuda: bool, gpus: list[dict[str, Any]]) -> dict[str, t
     if cuda:
         bf16 = bool(torch.cuda.is_bf16_supported())
         features["bf16"] = (bf16, "supported by the GPU" if bf16 else
-                            "not supported (pre-Ampere GPU): model.dtype auto uses float16")
+                            "not supported (pre-Ampere GPU): model.precision auto trains "
+                            "fp16-mixed (float16 compute, dynamic loss scale)")
     else:
         features["bf16"] = (False, "no GPU (runs on the CPU use float32)")
     ok, why = _importable("flash_attn")

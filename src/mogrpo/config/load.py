@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mogrpo.config.precision import dtype_conflict
 from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
 from mogrpo.errors import ConfigError
 
@@ -213,6 +214,9 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
     ro, tr = config.rollout, config.train
     if not config.model.name_or_path:
         errors.append("model.name_or_path is not set: give a local model directory or a hub id")
+    conflict = dtype_conflict(config.model.precision, config.model.dtype)
+    if conflict:
+        errors.append(conflict)
     if not config.tasks:
         errors.append("no tasks: add at least one under `tasks:` with `data` and `rewards`")
     for name, task in config.tasks.items():

@@ -5,6 +5,7 @@ a second."""
 
 from __future__ import annotations
 
+from mogrpo.config.precision import FSDP_FP16, resolve_precision
 from mogrpo.config.sections import DistributedConfig, RunConfig
 from mogrpo.errors import ConfigError
 
@@ -44,6 +45,9 @@ def check_processes(config: RunConfig, nproc: int) -> str:
     if strategy == "fsdp" and config.model.load_in_4bit:
         problems.append("distributed.strategy: fsdp cannot shard 4-bit weights "
                         "(model.load_in_4bit); use distributed.strategy: ddp")
+    mc = config.model
+    if strategy == "fsdp" and resolve_precision(mc.precision, mc.dtype, "cuda") == "fp16-mixed":
+        problems.append(FSDP_FP16)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

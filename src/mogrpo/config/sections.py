@@ -23,6 +23,7 @@ from mogrpo.algo.choices import (
     LossType,
 )
 from mogrpo.config.base import Section
+from mogrpo.config.precision import Precision
 from mogrpo.health.config import HealthConfig
 from mogrpo.tasks.curriculum import CurriculumConfig
 
@@ -34,8 +35,16 @@ class ModelConfig(Section):
     """Hugging Face causal LM: a local directory or a hub id (required)."""
     tokenizer: str | None = None
     """Tokenizer path or hub id when it differs from the model's."""
+    precision: Precision = "auto"
+    """How weights are kept and computed: `fp32`; `bf16-mixed` (float32 weights and AdamW
+    states, forward and backward under bfloat16 autocast: the default on GPUs); `fp16-mixed`
+    (the same in float16, with a dynamic loss scale); `bf16` (bfloat16 weights and AdamW
+    states: updates below ~0.4 % of a weight are lost, so small learning rates do nothing);
+    `auto` = fp32 on a CPU, else bf16-mixed (fp16-mixed without bfloat16), or what `dtype`
+    names. A frozen LoRA or 4-bit base loads in the compute dtype; adapters stay float32."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight dtype; `auto` is float32 on CPU and bfloat16 (or float16) on GPU."""
+    """The compute dtype: set, it must agree with `precision`, and with `precision: auto` it
+    picks it (`bfloat16` → bf16-mixed, `float16` → fp16-mixed, `float32` → fp32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, ~30 % slower steps."""
     attn_implementation: str | None = None
@@ -261,7 +270,8 @@ class VLLMConfig(Section):
     enforce_eager: bool = False
     """Skip CUDA-graph capture: faster start, slower decoding (useful for tiny smoke runs)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """vLLM's weight dtype; `auto` = the policy's dtype. The model length is derived:
+    """vLLM's weight dtype; `auto` = the run's compute dtype (`model.precision`: bfloat16
+    under bf16-mixed, not the float32 of its master weights). The model length is derived:
     max_prompt_length + max_completion_length."""
     server_url: str | None = Field(None, pattern=r"^https?://[^/\s]+/?$")
     """`http://HOST:PORT` of a `mogrpo vllm-server` on a GPU of its own: it samples the
@@ -496,9 +506,10 @@ class DistributedConfig(Section):
     `fully_shard`: parameters, gradients and optimizer state split across processes), `none`
     (one process only); `auto` = `ddp` when there is more than one process."""
     mixed_precision: Literal["none", "bf16"] = "none"
-    """`fsdp` only: `bf16` computes with bfloat16 parameters and reduces gradients in float32
-    (the shards and the optimizer stay in the model's dtype, LoRA adapters included); `none`
-    computes in that dtype."""
+    """`fsdp` only: `bf16` gathers and computes with bfloat16 parameters and reduces gradients
+    in float32 (the shards and the optimizer stay as `model.precision` keeps them, LoRA
+    adapters included); `none` gathers them in that dtype (under bf16-mixed, autocast then
+    computes in bfloat16)."""
     reshard_after_forward: bool = True
     """`fsdp` only: free the gathered parameters after each layer's forward (less memory, one
     more all-gather in backward); false keeps them until the backward (faster, more memory)."""

@@ -79,11 +79,12 @@ def _evaluate(ctx: TrainContext, batch_size: int, samples: int, step: int,
             indexes = mine[start:start + batch_size]
             chunk = [examples[i] for i in indexes]
             texts, add_special = render_prompts(ctx, [(t, ex) for ex in chunk])
-            rollout = generate_rollout(
-                ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
-                max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
-                engine=ctx.engine, plain_max_bytes=ctx.plain_max_bytes,
-            )
+            with ctx.precision.autocast():  # as the training rollout decodes
+                rollout = generate_rollout(
+                    ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
+                    max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
+                    engine=ctx.engine, plain_max_bytes=ctx.plain_max_bytes,
+                )
             values = score_examples([fn], chunk, rollout.texts, rollout.completion_ids,
                                     rollout.lengths.tolist(), rollout.truncated.tolist(),
                                     trainer_state=state)

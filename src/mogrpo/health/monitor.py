@@ -427,6 +427,12 @@ class HealthMonitor:
     def _non_finite(self, step: int, m: Mapping[str, Any], ctx: StepContext,
                     fired: list[Alert]) -> None:
         bad = [k for k in (names.LOSS, names.GRAD_NORM, names.KL) if k in m and not _finite(m[k])]
+        scale = m.get(names.LOSS_SCALE)
+        if _finite(scale) and scale >= 1 and names.GRAD_NORM in bad:
+            # fp16-mixed: gradients that overflowed at the loss scale; the scaler skipped the
+            # update and halved the scale, as it is meant to (below 1, even the unscaled
+            # gradients overflow: that is real)
+            bad.remove(names.GRAD_NORM)
         bad += [k for k in (names.NONFINITE_LOGITS,) if _finite(m.get(k)) and m[k] > 0]
         skipped = m.get(names.SKIPPED_UPDATES)  # cumulative in the trainer
         if _finite(skipped) and skipped > self._skipped:
@@ -439,7 +445,7 @@ class HealthMonitor:
             self._fire("non_finite", step, (
                 f"NaN/inf on {self._nonfinite} steps, now in {', '.join(bad)}. Likely: float16 "
                 "overflow, a learning rate too high, -inf log-probs of masked tokens reaching "
-                "the loss, or a reward returning NaN/inf. Try: model.dtype bfloat16, a lower "
+                "the loss, or a reward returning NaN/inf. Try: model.precision bf16-mixed, a lower "
                 "train.learning_rate, rewards that return a finite number or None"), fired)
 
     def _grad_spike(self, step: int, m: Mapping[str, Any], ctx: StepContext,

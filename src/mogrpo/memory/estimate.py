@@ -43,6 +43,12 @@ per process.
 Every block is costed like the first (true of the dense decoders covered). With gradient
 checkpointing each layer keeps only its input (p·h) and one layer is recomputed at a time
 (Korthikanti's "full recomputation", 2·s·b·h per layer in 16-bit).
+
+Precision (`model.precision`, `mogrpo.config.precision`): trained weights, their gradients and
+AdamW's m and v are in the master dtype (float32, bfloat16 under pure `bf16`); a frozen LoRA
+base, the reference copy, activations, logits and the KV cache in the compute dtype (p). Under
+bf16-mixed full fine-tuning autocast also holds a bfloat16 copy of every matmul weight while it
+trains (saved for the backward) and while it generates (cast once per rollout).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.config.precision import MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
 
@@ -65,7 +72,7 @@ CUDA_OVERHEAD = GIB
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """bitsandbytes NF4 with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits per weight,
 an 8-bit absmax per 64-weight block and an fp32 constant per 256 blocks = 4.127 bits."""
-ADAPTER_BYTES = 4  # peft's autocast_adapter_dtype keeps LoRA weights in fp32
+ADAPTER_BYTES = 4  # LoRA adapters are trained weights: float32 but under pure bf16
 PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
 
 
@@ -199,17 +206,16 @@ def layer_activation_bytes(shape: Architecture, p: int, *, full_ft: bool, lora: 
 
 
 def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfig, *,
-             dtype_bytes: int | None = None, device: str = "cuda",
-             master_weights: bool = False,
+             device: str = "cuda",
              reward_models: Mapping[str, Any] | None = None,
              nproc: int = 1, gpu_memory: int | None = None) -> MemoryEstimate:
     """Estimate the peak memory of `run` on one `device` ("cuda" or "cpu") for this model,
     per process when `nproc` processes train together (`distributed.strategy`).
 
     `model_config`: an `Architecture`, a transformers config or a config.json dict (its module
-    tree is built on the meta device once and cached). `dtype_bytes` overrides the weight dtype (`model.dtype`; `auto` = bf16 on CUDA, fp32 on
-    CPU). The optimizer is mogrpo's: torch AdamW, states in the trainable parameters' dtype;
-    `master_weights=True` models mixed precision instead (fp32 master copy + fp32 m, v).
+    tree is built on the meta device once and cached). The dtypes are `model.precision`'s
+    (`auto`: bf16-mixed on CUDA, assumed to have bfloat16; fp32 on CPU). The optimizer is
+    mogrpo's: torch AdamW, m and v in the trained weights' (master) dtype.
     `reward_models` maps each `fn: reward_model` reward (`tasks.NAME.rewards.I`) to its
     config (see :func:`reward_model_configs`); one left out is not counted, and said so.
     Several processes split the step's completions (each generates and trains on its share);
@@ -225,23 +231,32 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     if mc.load_in_4bit and not lc.enabled:
         raise ConfigError("model.load_in_4bit trains nothing without LoRA (4-bit weights are "
                           "frozen); set lora.enabled: true")
-    w = dtype_bytes or {"float32": 4, "bfloat16": 2, "float16": 2}.get(
-        mc.dtype, 4 if device == "cpu" else 2)
+    precision = resolve_precision(mc.precision, mc.dtype, device)
+    compute = 4 if precision == "fp32" else 2
+    # resident weights: trained ones in the master dtype, a frozen LoRA base in the compute one
+    w = compute if lc.enabled else MASTER_BYTES[precision]
     strategy = strategy_for(run.distributed, nproc)
     if nproc > 1 and run.prompts_per_step % nproc:
         check_processes(run, nproc)  # the split the trainer would refuse, with its message
-    # what the forward computes with: FSDP2's bf16 mixed precision gathers bf16 parameters
-    c = 2 if strategy == "fsdp" and run.distributed.mixed_precision == "bf16" else w
+    # what FSDP2 gathers: bf16 under its mixed precision, else the weights as kept
+    fsdp_bf16 = strategy == "fsdp" and run.distributed.mixed_precision == "bf16"
+    c = 2 if fsdp_bf16 else w
     # prepare_model_for_kbit_training casts every non-4-bit weight to fp32, so the residual
     # stream, the activations and the KV cache of a 4-bit model are fp32.
-    p = 4 if mc.load_in_4bit else c
+    p = 4 if mc.load_in_4bit else 2 if fsdp_bf16 else compute
     layout = Layout(strategy, nproc, run.train.micro_batch_size,
                     run.train.micro_batch_size * run.train.gradient_accumulation_steps)
-    terms = (_resident_terms(shape, run, w, device, master_weights, layout)
+    terms = (_resident_terms(shape, run, precision, device, layout)
              + _phase_terms(shape, run, p, device, layout))
+    if precision.endswith("-mixed") and not lc.enabled and not fsdp_bf16:
+        weights = shape.linear_params() + shape.vocab * shape.hidden  # and the head's
+        _add(terms, "autocast", "autocast weight copies", weights * compute, "training",
+             f"{weights / 1e9:.2f} B matmul weights × {compute} B, kept for the backward; "
+             "also while generating and in SFT", also=("generation", "SFT warm-up"))
     if strategy == "fsdp":
         terms += _fsdp_terms(shape, run, c)
-    rm_terms, rm_notes = _reward_model_terms(run, reward_models or {}, device, w)
+    rm_terms, rm_notes = _reward_model_terms(run, reward_models or {}, device,
+                                             4 if device == "cpu" else 2)
     terms += rm_terms
     vllm_terms, vllm_notes = _vllm_terms(run, gpu_memory)
     terms += vllm_terms
@@ -250,7 +265,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     where = "" if strategy == "none" else (
         f" per process ({strategy}, {nproc} process{'es' if nproc > 1 else ''})")
     title = (f"memory estimate{where}: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
-             f"{w} B weights"
+             f"{precision}, {w} B weights"
              f"{' (4-bit base)' if mc.load_in_4bit else ''}, "
              f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
              f"{layout.micro_batch} × ({prompt} prompt + {completion} completion) tokens")
@@ -259,8 +274,11 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         "eager attention keeps s×s scores" + (f" ({shape.model_type}'s default)"
                                               if not mc.attn_implementation else "")
         if eager else "fused SDPA/flash attention (no s×s scores kept)",
-        "fp32 master weights + fp32 AdamW m, v" if master_weights and not lc.enabled and w < 4
-        else "torch AdamW, m and v in the trainable parameters' dtype (mogrpo's optimizer)",
+        f"model.precision {precision}: " + (
+            "bfloat16 weights and AdamW m, v (updates below ~0.4 % of a weight are lost)"
+            if precision == "bf16" else "float32 trained weights and AdamW m, v"
+            + (f", matmuls and activations in {'bf' if 'bf' in precision else 'fp'}16 under "
+               "autocast" if precision.endswith("-mixed") else "")),
         "gradients held in training from the 1st micro-batch on (they exist from its backward; "
         "with accumulation 1 its forward peaks before them), through the optimizer step, and "
         "freed before the next generation",
@@ -280,8 +298,8 @@ def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note
     terms.append(Term(key, label, int(math.ceil(value)), phase, note, also))
 
 
-def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
-                    master_weights: bool, layout: Layout) -> list[Term]:
+def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device: str,
+                    layout: Layout) -> list[Term]:
     """Weights, adapters, gradients, AdamW states, reference, CUDA context; under fsdp each
     process holds 1/N of all but the context (FSDP2 pads a parameter's first dimension to a
     multiple of N: a few KiB more, not counted)."""
@@ -289,7 +307,10 @@ def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
     n_all, n_lin = shape.params, shape.linear_params()
     modules = lora_modules(shape, lc.target_modules) if lc.enabled else []
     n_lora = sum(lc.r * (m.in_features + m.out_features) for m in modules)
-    trainable, t_bytes = (n_lora, ADAPTER_BYTES) if lc.enabled else (n_all, w)
+    master, compute = MASTER_BYTES[precision], 4 if precision == "fp32" else 2
+    w = compute if lc.enabled else master  # a frozen base in the compute dtype
+    a_bytes = ADAPTER_BYTES if master == 4 else master
+    trainable, t_bytes = (n_lora, a_bytes) if lc.enabled else (n_all, master)
     n = layout.shard
     per = f" / {n} (shard)" if n > 1 else ""
     terms: list[Term] = []
@@ -302,8 +323,8 @@ def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
         _add(terms, "weights", "weights", n_all * w / n, "always",
              f"{n_all / 1e9:.2f} B × {w} B{per}")
     if lc.enabled:
-        _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * ADAPTER_BYTES / n, "always",
-             f"{n_lora / 1e6:.1f} M × 4 B (fp32), {len(modules)} modules "
+        _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * a_bytes / n, "always",
+             f"{n_lora / 1e6:.1f} M × {a_bytes} B, {len(modules)} modules "
              f"({', '.join(sorted({m.leaf for m in modules}))}){per}")
     # held from the first backward to the optimizer step; the trainer frees them before the
     # next rollout (and after the SFT warm-up)
@@ -313,13 +334,13 @@ def _resident_terms(shape: Architecture, run: RunConfig, w: int, device: str,
     if layout.strategy == "ddp":
         _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
              "gradients copied into buckets for the all-reduce")
-    state = 12 if master_weights and t_bytes < 4 else 2 * t_bytes
-    _add(terms, "optimizer", "AdamW states", trainable * state / n, "always",
-         ("fp32 master + m + v" if state == 12 else f"m, v × {t_bytes} B") + per)
+    _add(terms, "optimizer", "AdamW states", trainable * 2 * t_bytes / n, "always",
+         f"m, v × {t_bytes} B" + per)
     kl = not run.tasks or any(t.beta > 0 for t in run.tasks.values())
-    _add(terms, "reference", "reference model", n_all * w / n if kl and not lc.enabled else 0,
-         "always", "every task β = 0: none" if not kl else
-         "LoRA: the base with adapters off" if lc.enabled else "a frozen full copy" + per)
+    _add(terms, "reference", "reference model", n_all * compute / n if kl and not lc.enabled
+         else 0, "always", "every task β = 0: none" if not kl else
+         "LoRA: the base with adapters off" if lc.enabled else
+         f"a frozen full copy in the compute dtype ({compute} B)" + per)
     _add(terms, "overhead", "CUDA context + allocator", CUDA_OVERHEAD if device == "cuda" else 0,
          "always", "fixed" if device == "cuda" else "none on CPU")
     # foreach AdamW holds one sqrt(v)-sized buffer while it steps (an own phase: no activations)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.config.precision import resolve_precision
 from mogrpo.memory.estimate import MemoryEstimate, with_changes
 
 
@@ -146,19 +147,34 @@ def _shard(run: RunConfig, nproc: int) -> Rung:
     options: list[dict[str, Any]] = []
     if nproc > 1 and run.distributed.strategy != "fsdp":
         options.append({"distributed.strategy": "fsdp"})
-    mixed = run.model.dtype == "float32" and run.distributed.mixed_precision == "none"
+    mc = run.model
+    mixed = resolve_precision(mc.precision, mc.dtype, "cuda") in ("fp32", "bf16-mixed") \
+        and run.distributed.mixed_precision == "none"
     if nproc > 1 and mixed:
-        # fp32 shards, bf16 compute: halves what is gathered and the activations
+        # fp32 shards, bf16 gathers and compute: halves what is gathered (and, from fp32, the
+        # activations; under autocast no whole-model bf16 copy is kept for the backward)
         options.append({"distributed.strategy": "fsdp", "distributed.mixed_precision": "bf16"})
     return ("shard with FSDP2", options, "none in quality" + (
         " (mixed_precision bf16: bf16 matmuls, gradients reduced in fp32)" if mixed else "")
         + f"; {FSDP_COST}")
 
 
+def _pure_bf16(run: RunConfig, nproc: int) -> Rung:
+    """Full fine-tuning's last resort: bfloat16 weights and AdamW states (`model.precision`)."""
+    mc = run.model
+    ok = not run.lora.enabled and resolve_precision(mc.precision, mc.dtype, "cuda") == "bf16-mixed"
+    return ("pure bf16 weights and AdamW states", [{"model.precision": "bf16"}] if ok else [],
+            "updates below ~0.4 % of a weight round away: AdamW moves each weight by about the "
+            "learning rate, so weights of size s stop learning below lr ≈ s · 2^-9 (4e-5 at "
+            f"s = 0.02; train.learning_rate is {run.train.learning_rate:g}); the startup log "
+            "names this model's figure")
+
+
 RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
     _micro_batch, _checkpointing, _vllm_sleep, _vllm_share, _shard, _sft_batch, _four_bit,
-    _completions, _fewer_generations, _lower_rank)
-"""Quality-neutral changes first (they cost only speed), then those that cost quality."""
+    _completions, _fewer_generations, _lower_rank, _pure_bf16)
+"""Quality-neutral changes first (they cost only speed), then those that cost quality; pure
+bf16, which can stop a run from learning at all, last."""
 
 
 def ladder(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, nproc: int = 1

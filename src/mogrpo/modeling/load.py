@@ -49,8 +49,11 @@ class LoraSettings:
     """Module names to adapt, or "all-linear" for every linear layer except the output head."""
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """Map a dtype name to torch: auto = float32 on CPU, else bfloat16 if the GPU has it, else float16."""
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name to torch: auto = float32 on CPU, else bfloat16 if the GPU has it, else
+    float16 (for inference: `predict`, `serve`; training loads as `model.precision` says)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype = {dtype!r} is not one of {list(DTYPES)}")
     if dtype != "auto":
@@ -143,7 +146,7 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
 def load_policy(
     name_or_path: str,
     *,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     gradient_checkpointing: bool = False,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
@@ -152,13 +155,15 @@ def load_policy(
     tokenizer_name_or_path: str | None = None,
     disable_dropout: bool = True,
     device: torch.device | None = None,
+    adapter_dtype: torch.dtype = torch.float32,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM (optionally 4-bit, with LoRA) and its tokenizer from a directory or hub id.
 
     `disable_dropout` sets the model's own dropout to 0 (see `mogrpo.modeling.dropout`; LoRA's
     dropout is kept); a wrong `lora.target_modules` is reported before the weights load.
     `device` a CUDA device: the weights load straight onto it, never whole in host memory
-    (otherwise they load on the CPU, where the caller moves them).
+    (otherwise they load on the CPU, where the caller moves them). `dtype` is that of every
+    weight as loaded (a 4-bit base's compute dtype); LoRA adapters are `adapter_dtype`.
     """
     torch_dtype = resolve_dtype(dtype)
     _check_accelerators(load_in_4bit, attn_implementation)
@@ -218,7 +223,8 @@ def load_policy(
     elif gradient_checkpointing:
         enable_checkpointing(model)
     if lora is not None:
-        model = apply_lora(model, lora, input_grads=gradient_checkpointing)
+        model = apply_lora(model, lora, input_grads=gradient_checkpointing,
+                           adapter_dtype=adapter_dtype)
     trainable, total = trainable_parameters(model)
     logger.info(
         "loaded %s (%s, %s): %d of %d parameters trainable",
@@ -242,10 +248,12 @@ def _log_dropout(changed: dict[str, float], lora: LoraSettings | None) -> None:
 
 
 def apply_lora(
-    model: PreTrainedModel, settings: LoraSettings, *, input_grads: bool = False
+    model: PreTrainedModel, settings: LoraSettings, *, input_grads: bool = False,
+    adapter_dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
-    """Wrap `model` with fresh LoRA adapters (B = 0, so the output is unchanged at first);
-    their dropout is `FastDropout`, their layers `FusedLoraLinear`."""
+    """Wrap `model` with fresh LoRA adapters (B = 0, so the output is unchanged at first) in
+    `adapter_dtype`, whatever the base's; their dropout is `FastDropout`, their layers
+    `FusedLoraLinear`."""
     from peft import LoraConfig, get_peft_model
 
     if settings.r < 1 or settings.alpha <= 0 or not 0 <= settings.dropout < 1:
@@ -275,9 +283,16 @@ def apply_lora(
             "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
         )
         try:
-            model = get_peft_model(model, config)
+            # peft upcasts bf16/fp16 adapters to fp32 by default; pure bf16 asks it not to
+            model = get_peft_model(model, config,
+                                   autocast_adapter_dtype=adapter_dtype == torch.float32)
         except ValueError as err:
             raise ConfigError(f"lora.target_modules = {settings.target_modules!r}: {err}") from err
+    for param in model.parameters():
+        # the trained weights are the adapters: their dtype is the master dtype, whatever
+        # peft made of a float32 base (left as is) or a half-precision one
+        if param.requires_grad and param.dtype != adapter_dtype:
+            param.data = param.data.to(adapter_dtype)
     use_fast_dropout(model)  # the same dropout, its masks drawn faster on CPUs
     use_fused_lora(model)  # the same layers, their forward and backward fused on CPUs
     return model

@@ -95,19 +95,30 @@ class Reference:
                 layer._disable_adapters = flag
 
 
-def make_reference(policy: nn.Module, *, needed: bool) -> Reference | None:
-    """Build the KL reference for `policy`, or None when no task uses a KL term (every beta is 0)."""
+def make_reference(policy: nn.Module, *, needed: bool,
+                   dtype: torch.dtype | None = None) -> Reference | None:
+    """Build the KL reference for `policy`, or None when no task uses a KL term (every beta is 0).
+
+    A full fine-tuning reference is a frozen copy with its parameters in `dtype` (None: the
+    policy's): under mixed precision the compute dtype, half the memory of float32 master
+    weights and what autocast computes with anyway. Buffers (rotary frequencies) are copied as
+    they are, as a model loaded in that dtype keeps them."""
     if not needed:
         return None
     policy = _unwrap(policy)
     if _is_peft(policy):
         logger.info("KL reference: the policy with its LoRA adapters disabled")
         return Reference(policy, "adapter_disabled")
-    frozen = copy.deepcopy(policy)
+    # each parameter copied straight into `dtype` (deepcopy takes them from the memo, ties
+    # kept): no float32 copy of the whole model on the way
+    memo = {id(p): nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
+            for p in policy.parameters() if p.is_floating_point()}
+    frozen = copy.deepcopy(policy, memo)
     frozen.eval()
     frozen.requires_grad_(False)
     logger.info(
-        "KL reference: a frozen copy of the policy (%d parameters)",
+        "KL reference: a frozen copy of the policy (%d parameters, %s)",
         sum(p.numel() for p in frozen.parameters()),
+        str(next(frozen.parameters()).dtype).removeprefix("torch."),
     )
     return Reference(frozen, "frozen_copy")

@@ -1,4 +1,5 @@
-"""Select and join rollouts group by group (dynamic sampling drops and refills whole groups)."""
+"""Select and join rollouts group by group (dynamic sampling drops and refills whole groups),
+and cut them into the update's micro-batches."""
 
 from __future__ import annotations
 
@@ -55,3 +56,32 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         sampler_logp=(torch.cat([right(r.sampler_logp, C, 0) for r in parts])
                       if all(r.sampler_logp is not None for r in parts) else None),
     )
+
+
+def length_buckets(prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                   size: int) -> list[slice | torch.Tensor]:
+    """Row sets of at most `size` rows; rows of similar length go together, so `micro_batch`
+    trims more padding. The loss normaliser is global, so how rows are grouped changes no
+    gradient."""
+    B = prompt_mask.shape[0]
+    if size >= B:
+        return [slice(0, B)]
+    lengths = prompt_mask.sum(1) + completion_mask.sum(1)  # [B]
+    order = torch.argsort(lengths, stable=True)
+    return [order[i:i + size] for i in range(0, B, size)]
+
+
+def first_row(rows: slice | torch.Tensor) -> slice | torch.Tensor:
+    """The first row of a micro-batch (the input of a zero-weighted, collective-only pass)."""
+    return slice(rows.start, rows.start + 1) if isinstance(rows, slice) else rows[:1]
+
+
+def micro_batch(ro: Rollout, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows' (prompt_ids, prompt_mask, completion_ids, completion_mask), trimmed of
+    columns that are padding in every row."""
+    prompt_ids, prompt_mask = ro.prompt_ids[rows], ro.prompt_mask[rows]
+    completion_ids, completion_mask = ro.completion_ids[rows], ro.completion_mask[rows]
+    first = int(prompt_mask.any(0).float().argmax())  # left padding shared by all rows
+    width = max(int(completion_mask.sum(1).max()), 1)
+    return (prompt_ids[:, first:], prompt_mask[:, first:],
+            completion_ids[:, :width], completion_mask[:, :width])

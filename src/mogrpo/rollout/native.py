@@ -48,7 +48,7 @@ from mogrpo.rollout.layout import (
     rms_norm_of,
     unwrap_causal_lm,
 )
-from mogrpo.rollout.projections import Projections, decode_projections
+from mogrpo.rollout.projections import Projections, autocast_dtype, decode_projections
 from mogrpo.rollout.sampling import SamplingRules
 
 
@@ -115,7 +115,10 @@ class NativeDecoder:
         B, P = prompt_ids.shape
         total = P + max_new_tokens
         x = self.backbone.embed_tokens(prompt_ids)  # [B, P, H]
-        dtype, device = x.dtype, x.device
+        device = x.device
+        # the cache in autocast's dtype under mixed precision: what its attention casts
+        # keys and values to anyway, at half the memory of the float32 residual stream
+        dtype = autocast_dtype(device) or x.dtype
         # Rotary tables for every position once: the rows are looked up per token afterwards.
         cos, sin = self.backbone.rotary_emb(x, torch.arange(total, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [T_max, D]

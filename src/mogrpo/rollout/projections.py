@@ -3,7 +3,8 @@ weight, LoRA adapters merged in, laid out for the CPU's faster float32 kernel
 (`mogrpo.algo.cpu_linear.decode_weight`: packed for MKL on Intel CPUs, for oneDNN elsewhere);
 built once per rollout (the weights change at every optimizer step), or once for many calls
 inside `held_projections`. Layers that cannot be made plain (quantised, DoRA) run their own
-modules.
+modules. Under autocast (mixed precision: float32 master weights) the copies are made in its
+dtype, the product autocast would compute at every step, cast once per rollout instead.
 """
 
 from __future__ import annotations
@@ -94,13 +95,20 @@ def held_projections(model: nn.Module) -> Iterator[None]:
         _HELD.pop(lm, None)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on `device` where it is on (mixed precision), else None."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
+        else None
+
+
 def _weights_state(lm: nn.Module) -> tuple:
     """What `held_projections` compares: each parameter's storage and version counter (bumped by
-    every in-place change: an optimizer step, `load_state_dict`), and which LoRA adapters are
-    switched on."""
+    every in-place change: an optimizer step, `load_state_dict`), which LoRA adapters are
+    switched on, and the autocast dtype the copies are made in."""
     return (tuple((p.data_ptr(), p._version) for p in lm.parameters()),
             tuple((m.disable_adapters, tuple(m.active_adapters)) for m in lm.modules()
-                  if hasattr(m, "lora_A")))
+                  if hasattr(m, "lora_A")),
+            autocast_dtype(next(lm.parameters()).device))
 
 
 def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projections:
@@ -122,37 +130,51 @@ def decode_projections(model: nn.Module, max_bytes: int | None = None) -> Projec
 
 def _build_projections(lm: nn.Module, max_bytes: int | None) -> Projections:
     attention, halves = layout_of(lm)
-    pairs = _pairs(lm, halves)
+    param = next(lm.parameters())
+    dtype = autocast_dtype(param.device)  # None: the weights' own
+    pairs = _pairs(dtype or param.dtype, halves)
     layers, head = list(lm.model.layers), lm.get_output_embeddings()
     # MKL's packed buffers kept for the next rollout where the weights are small (mkl_packed)
-    layer_bytes = _linear_bytes(layers)
-    keep = layer_bytes + _linear_bytes([head]) <= KEEP_MAX_BYTES
+    layer_bytes = _linear_bytes(layers, dtype)
+    keep = layer_bytes + _linear_bytes([head], dtype) <= KEEP_MAX_BYTES
     return Projections(plain_projections(layers, attention if pairs else None,
                                          max_bytes=max_bytes, keep=keep,
-                                         linear_bytes=layer_bytes),
-                       _head_weight(head, keep), pairs=pairs)
+                                         linear_bytes=layer_bytes, dtype=dtype),
+                       _head_weight(head, keep, dtype), pairs=pairs)
 
 
-def _linear_bytes(modules: list[nn.Module]) -> int:
-    """The bytes of every `nn.Linear` weight in `modules` (peft's base layers included)."""
-    return sum(m.weight.numel() * m.weight.element_size() for module in modules
+def _linear_bytes(modules: list[nn.Module], dtype: torch.dtype | None = None) -> int:
+    """The bytes of every `nn.Linear` weight in `modules` (peft's base layers included), copied
+    in `dtype` (None: their own)."""
+    size = None if dtype is None else torch.finfo(dtype).bits // 8
+    return sum(m.weight.numel() * (size or m.weight.element_size()) for module in modules
                for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def _head_weight(head: nn.Module, keep: bool = False) -> Tensor | Packed | None:
-    """The weight of an `nn.Linear` output head as `decode_weight` lays it out (`keep` as
-    there), where that copy takes at most HEAD_COPY_MAX_BYTES (a large vocabulary's head is
-    read in place: its product is throughput-bound however it is laid out); None for other
-    heads (their module runs)."""
+def _head_weight(head: nn.Module, keep: bool = False,
+                 dtype: torch.dtype | None = None) -> Tensor | Packed | None:
+    """The weight of an `nn.Linear` output head (in `dtype`, where given) as `decode_weight`
+    lays it out (`keep` as there), where that copy takes at most HEAD_COPY_MAX_BYTES (a large
+    vocabulary's head is read in place: its product is throughput-bound however it is laid
+    out); None for other heads (their module runs)."""
     if type(head) is not nn.Linear:
         return None
     w = head.weight
-    return decode_weight(w, keep) if w.numel() * w.element_size() <= HEAD_COPY_MAX_BYTES else w
+    if w.numel() * torch.finfo(dtype or w.dtype).bits // 8 > HEAD_COPY_MAX_BYTES:
+        return w
+    return decode_weight(_in_dtype(w, dtype), keep)
 
 
-def _pairs(lm: nn.Module, halves: bool) -> bool:
-    """float32/64 weights: q and k rotated as complex pairs (their rows interleaved)."""
-    return halves and next(lm.parameters()).dtype in (torch.float32, torch.float64)
+def _in_dtype(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """`t` detached and cast to `dtype` (None, or its own dtype: `t` itself)."""
+    if t is None or dtype is None or t.dtype == dtype or not t.is_floating_point():
+        return t
+    return t.detach().to(dtype)
+
+
+def _pairs(dtype: torch.dtype, halves: bool) -> bool:
+    """Projections in float32/64: q and k rotated as complex pairs (their rows interleaved)."""
+    return halves and dtype in (torch.float32, torch.float64)
 
 
 def pair_rows(attention: Attention, rows: int, device: torch.device) -> Tensor:
@@ -178,16 +200,19 @@ def _plain_linear(module: nn.Module) -> Linear | None:
         return None
 
 
-def _fuse(parts: list[Linear | None], order: Tensor | None = None) -> Linear | None:
+def _fuse(parts: list[Linear | None], order: Tensor | None = None,
+          dtype: torch.dtype | None = None) -> Linear | None:
     """One (weight, bias) computing every part's output side by side, its rows in `order`
     where given (an order that keeps each part's rows among its own, as `pair_rows` does:
-    applied in the same copy, which for a large model is most of the cost of fusing)."""
+    applied in the same copy, which for a large model is most of the cost of fusing); in
+    `dtype` where given (None: the parts' own; cast in the same copy)."""
     if any(p is None for p in parts):
         return None
     if len(parts) == 1 and order is None:
-        return parts[0]
+        return _in_dtype(parts[0][0], dtype), _in_dtype(parts[0][1], dtype)
     weights = [w.detach() for w, _ in parts]  # (a copy: nothing to differentiate)
-    weight = weights[0].new_empty(sum(len(w) for w in weights), weights[0].shape[1])
+    weight = weights[0].new_empty(sum(len(w) for w in weights), weights[0].shape[1],
+                                  dtype=dtype or weights[0].dtype)
     start = 0
     for w in weights:
         end = start + len(w)
@@ -199,7 +224,7 @@ def _fuse(parts: list[Linear | None], order: Tensor | None = None) -> Linear | N
     if all(b is None for _, b in parts):
         return weight, None
     bias = torch.cat([b.detach() if b is not None else w.new_zeros(len(w)) for w, b in parts])
-    return weight, bias if order is None else bias[order]
+    return weight, _in_dtype(bias if order is None else bias[order], dtype)
 
 
 def projection_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], Callable] | None:
@@ -216,12 +241,14 @@ def projection_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]
 
 def plain_projections(layers: list[nn.Module], pairs: list[Attention] | None = None, *,
                       max_bytes: int | None = None, keep: bool = False,
-                      linear_bytes: int | None = None) -> list[PlainLayer] | None:
+                      linear_bytes: int | None = None,
+                      dtype: torch.dtype | None = None) -> list[PlainLayer] | None:
     """Every layer's projections as plain tensors, or None when one cannot be made plain or the
     copies (at most the layers' linear weights, `linear_bytes` where the caller has counted
     them) would exceed `max_bytes` (None: PLAIN_MAX_BYTES). Built once per rollout (the weights
     change at every optimizer step). With `pairs` (each layer's attention shapes) the q and k
-    rows are in `pair_rows` order; `keep` as for `decode_weight`."""
+    rows are in `pair_rows` order; `keep` as for `decode_weight`; copies in `dtype` (autocast's,
+    under mixed precision) where given."""
     if linear_bytes is None:
         linear_bytes = _linear_bytes(layers)
     if linear_bytes > (PLAIN_MAX_BYTES if max_bytes is None else max_bytes):
@@ -238,9 +265,9 @@ def plain_projections(layers: list[nn.Module], pairs: list[Attention] | None = N
         if pairs is not None and all(p is not None for p in qkv_parts):
             order = pair_rows(pairs[len(plain)], sum(len(p[0]) for p in qkv_parts),
                                qkv_parts[0][0].device)
-        qkv = _fuse(qkv_parts, order)
-        gate_up = _fuse([_plain_linear(getattr(mlp, n)) for n in up])
-        out, down = _plain_linear(attn.o_proj), _plain_linear(mlp.down_proj)
+        qkv = _fuse(qkv_parts, order, dtype)
+        gate_up = _fuse([_plain_linear(getattr(mlp, n)) for n in up], dtype=dtype)
+        out, down = (_fuse([_plain_linear(m)], dtype=dtype) for m in (attn.o_proj, mlp.down_proj))
         if qkv is None or gate_up is None or out is None or down is None:
             return None
         packed = [(decode_weight(w, keep), b) for w, b in (qkv, out, gate_up, down)]

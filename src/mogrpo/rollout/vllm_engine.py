@@ -205,12 +205,14 @@ class VLLMEngine:
 
     @classmethod
     def create(cls, policy: nn.Module, config: RunConfig, model_path: str, *, rank: int = 0,
-               world_size: int = 1) -> VLLMEngine:
+               world_size: int = 1, dtype: torch.dtype | None = None) -> VLLMEngine:
         """Start vLLM on `model_path` (the policy's base checkpoint) next to the trainer (in
-        process `rank` of `world_size`, each with an engine of its own)."""
+        process `rank` of `world_size`, each with an engine of its own), computing in `dtype`
+        (the run's compute dtype; None: the policy's weights' dtype)."""
         LLM, SamplingParams = import_vllm()
         param = next(policy.parameters())
-        kwargs = llm_kwargs(config, model_path, param.dtype, rank=rank, world_size=world_size)
+        kwargs = llm_kwargs(config, model_path, dtype or param.dtype, rank=rank,
+                            world_size=world_size)
         log.info("starting vLLM on %s (%.0f%% of the GPU's memory, max_model_len %d)",
                  model_path, 100 * kwargs["gpu_memory_utilization"], kwargs["max_model_len"])
         engine = cls(LLM(**kwargs), SamplingParams, policy,

@@ -4,7 +4,7 @@ for that policy's tokenizer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from mogrpo.config import RunConfig
 from mogrpo.data.schema import Example
 from mogrpo.modeling.chat import render_prompt
+from mogrpo.modeling.precision import Precision
 from mogrpo.rollout.generate import SamplingSettings
 from mogrpo.tasks.task import Task
 
@@ -30,6 +31,9 @@ class TrainContext:
     rollout_engine: Any = None
     """The vLLM engine (`rollout.engine: vllm`): colocated, or the client of a vllm-server
     (`rollout.vllm.server_url`); else None: the policy generates."""
+    precision: Precision = field(default_factory=lambda: Precision("fp32"))
+    """How the policy's weights are kept and computed (`model.precision`, resolved): every
+    forward of the policy and its reference runs under `precision.autocast()`."""
 
     @property
     def plain_max_bytes(self) -> int | None:

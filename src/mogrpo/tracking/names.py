@@ -104,6 +104,9 @@ CLIP_FRAC = Metric("policy/clip_frac")
 ENTROPY = Metric("policy/entropy")
 SKIPPED_UPDATES = Metric("policy/skipped_updates")
 """Cumulative count of updates skipped for a non-finite gradient."""
+LOSS_SCALE = Metric("policy/loss_scale", when="model.precision: fp16-mixed")
+"""The fp16 loss scale after the step: halved when the gradients overflowed (that update is
+skipped, and not counted in skipped_updates), doubled after 2000 clean steps."""
 SAMPLER_IS_WEIGHT = Metric("policy/sampler_is_weight", when="rollout.engine: vllm")
 """Mean truncated importance weight π_old / π_sampler over the step's tokens."""
 SAMPLER_IS_CAPPED_FRAC = Metric("policy/sampler_is_capped_frac", when="rollout.engine: vllm")

@@ -30,7 +30,13 @@ from mogrpo.health import HealthMonitor, HealthStop, StepContext
 from mogrpo.memory import peak_bytes, reset_peak
 from mogrpo.modeling.reference import Reference
 from mogrpo.rewards.base import RewardLog, TrainerState, score_examples
-from mogrpo.rollout.batching import concat_rollouts, select_groups
+from mogrpo.rollout.batching import (
+    concat_rollouts,
+    first_row,
+    length_buckets,
+    micro_batch,
+    select_groups,
+)
 from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.rollout.scoring import score_hidden
 from mogrpo.tasks.context import TrainContext, render_prompts
@@ -92,6 +98,7 @@ class GRPOTrainer:
         tc = self.config.train
         self.total_updates = tc.max_steps * self.config.algorithm.num_iterations
         self.optimizer = build_optimizer(ctx.policy, tc.learning_rate, tc.weight_decay, tc.adam_betas)
+        self.scaler = ctx.precision.grad_scaler()  # fp16-mixed's loss scale; else a no-op
         self.scheduler = build_scheduler(
             self.optimizer, tc.lr_scheduler, tc.warmup_steps, self.total_updates
         )
@@ -126,7 +133,8 @@ class GRPOTrainer:
 
     def generate(self, picks: list[tuple[int, Example]]) -> Rollout:
         texts, add_special = render_prompts(self.ctx, picks)
-        with self.parallel.gathered():  # FSDP2: whole weights while decoding
+        # FSDP2: whole weights while decoding; the rollout in the compute dtype
+        with self.parallel.gathered(), self.ctx.precision.autocast():
             return generate_rollout(
                 self.ctx.policy, self.ctx.tokenizer, texts, self.ctx.sampling,
                 num_generations=self.config.rollout.num_generations,
@@ -273,23 +281,25 @@ class GRPOTrainer:
         # the update's choice (its policy may be DDP-wrapped): the same rows then take the same
         # arithmetic here, and KL and ratios are exact while the policy equals them
         share = shares_prompts(self.parallel.module)
-        for rows in self.parallel.pad(micro_batches):
-            # None: another process has more rows; FSDP2's forwards are collective, so this
-            # one runs a row of its own alongside and keeps nothing
-            keep = rows is not None
-            args = _slice(batch.rollout, rows if keep else _first_row(micro_batches[0]))
-            width = args[2].shape[1]
-            if need_old:
-                logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
-                                           forward=score_hidden, share_prompts=share)[0]
-                if keep:
-                    old[rows, :width] = logp
-            if need_ref:
-                with self.reference.model() as ref_model:
-                    logp = completion_logprobs(ref_model, *args, temperature=temperature,
+        # under the update's autocast; one context, so the policy's weights are cast once
+        with self.ctx.precision.autocast():
+            for rows in self.parallel.pad(micro_batches):
+                # None: another process has more rows; FSDP2's forwards are collective, so
+                # this one runs a row of its own alongside and keeps nothing
+                keep = rows is not None
+                args = micro_batch(batch.rollout, rows if keep else first_row(micro_batches[0]))
+                width = args[2].shape[1]
+                if need_old:
+                    logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
                                                forward=score_hidden, share_prompts=share)[0]
-                if keep:
-                    ref[rows, :width] = logp
+                    if keep:
+                        old[rows, :width] = logp
+                if need_ref:
+                    with self.reference.model() as ref_model:
+                        logp = completion_logprobs(ref_model, *args, temperature=temperature,
+                                                   forward=score_hidden, share_prompts=share)[0]
+                    if keep:
+                        ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
 
     def update(self, batch: ScoredBatch) -> dict[str, float]:
@@ -316,18 +326,12 @@ class GRPOTrainer:
             for i, rows in enumerate(plan):
                 self.parallel.sync_gradients(last=i == len(plan) - 1)  # only the last reduces
                 if rows is None:  # FSDP2: another process has more micro-batches
-                    self.parallel.idle_backward(lambda: completion_logprobs(
-                        policy, *_slice(ro, _first_row(micro_batches[0])),
-                        temperature=self.ctx.sampling.temperature)[0])
+                    self.parallel.idle_backward(lambda: self._forward(
+                        policy, micro_batch(ro, first_row(micro_batches[0])))[0])
                     continue
-                args = _slice(ro, rows)
+                args = micro_batch(ro, rows)
                 width = args[2].shape[1]
-                # on a CPU mogrpo's own forward where it applies (`trains_here`): the old and
-                # reference passes' arithmetic, in fewer operations than the model's forward
-                logp, entropy = completion_logprobs(
-                    policy, *args, temperature=self.ctx.sampling.temperature, with_entropy=it == 0,
-                    forward=score_hidden,
-                )
+                logp, entropy = self._forward(policy, args, with_entropy=it == 0)
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
                 weights = self._importance_weights(old, ro, rows, args[3],
@@ -339,7 +343,8 @@ class GRPOTrainer:
                     kl_estimator=algo.kl_estimator, kl_importance_weight=algo.kl_importance_weight,
                     variant=variant, importance_weights=weights,
                 )
-                self.parallel.backward(out.loss)  # gradients add up across micro-batches
+                # gradients add up across micro-batches (fp16: all at the step's loss scale)
+                self.parallel.backward(self.scaler.scale(out.loss))
                 totals["loss"] += out.loss.item() / algo.num_iterations
                 if it == 0:
                     # KL is measured on every completion, also those left out of the loss
@@ -364,10 +369,21 @@ class GRPOTrainer:
             names.SKIPPED_UPDATES: self.skipped_updates,
             names.KL: float(seq_kl.mean()),
         }
+        if self.scaler.is_enabled():
+            metrics[names.LOSS_SCALE] = self.scaler.get_scale()
         if self._sampler_correction and ro.sampler_logp is not None:
             metrics[names.SAMPLER_IS_WEIGHT] = totals["is_weight"] / tokens
             metrics[names.SAMPLER_IS_CAPPED_FRAC] = totals["is_capped"] / tokens
         return metrics | self._task_kl(batch.task_ids.cpu(), seq_kl)
+
+    def _forward(self, policy: torch.nn.Module, args: tuple[torch.Tensor, ...],
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The update's log-probs (and entropies) of a micro-batch, under the run's autocast:
+        on a CPU mogrpo's own forward where it applies (`trains_here`), the old and reference
+        passes' arithmetic in fewer operations than the model's forward."""
+        with self.ctx.precision.autocast():
+            return completion_logprobs(policy, *args, temperature=self.ctx.sampling.temperature,
+                                       with_entropy=with_entropy, forward=score_hidden)
 
     def _apply_gradients(self, totals: dict | None) -> float:
         """Clip the accumulated gradients and take the optimizer and scheduler steps; the
@@ -375,6 +391,8 @@ class GRPOTrainer:
         weights moved there."""
         # the engine reduced them: the full-batch gradient (FSDP2: this process's shard)
         params = [p for p in self.ctx.policy.parameters() if p.requires_grad]
+        scale = self.scaler.get_scale()
+        self.scaler.unscale_(self.optimizer)  # fp16: the true gradients, before clipping
         grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
         if torch.isfinite(grad_norm):
             # How far the weights moved (0 = nothing is learned), a chunk of weights at a
@@ -388,9 +406,13 @@ class GRPOTrainer:
                 self.optimizer.step()
                 if totals is not None:  # too large: not measured (μ > 1 keeps the first's)
                     totals["update_norm"] = float("nan")
+        elif self.scaler.is_enabled():  # fp16 overflow at this loss scale: the scaler's job
+            log.info("step %d: fp16 gradients overflowed at loss scale %g; update skipped, "
+                     "scale halved", self.step + 1, scale)
         else:  # a non-finite gradient would poison AdamW's moments; skip and count it
             self.skipped_updates += 1
             log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
+        self.scaler.update()  # halved after an overflow, doubled after enough clean steps
         self.scheduler.step()
         return float(grad_norm)
 
@@ -608,6 +630,7 @@ class GRPOTrainer:
             "health": self.health.state_dict(),
             "curriculum": self.curriculum.state_dict(),
             "rollbacks": list(self.rollbacks),
+            "loss_scale": self.scaler.state_dict(),  # {} unless fp16-mixed
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -623,6 +646,8 @@ class GRPOTrainer:
         if "curriculum" in state:
             self.curriculum.load_state_dict(state["curriculum"])
         self.rollbacks = list(state.get("rollbacks", []))
+        if state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
         self.health_ctx.learning_rate = self.config.train.learning_rate * \
             self.config.health.eval_regression.lr_factor ** len(self.rollbacks)
         for key, judge in judges(self.ctx.tasks).items():
@@ -643,23 +668,6 @@ class GRPOTrainer:
         return length_buckets(ro.prompt_mask, ro.completion_mask, size)
 
 
-def length_buckets(prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
-                   size: int) -> list[slice | torch.Tensor]:
-    """Row sets of at most `size` rows; rows of similar length go together, so `_slice` trims
-    more padding. The loss normaliser is global, so how rows are grouped changes no gradient."""
-    B = prompt_mask.shape[0]
-    if size >= B:
-        return [slice(0, B)]
-    lengths = prompt_mask.sum(1) + completion_mask.sum(1)  # [B]
-    order = torch.argsort(lengths, stable=True)
-    return [order[i:i + size] for i in range(0, B, size)]
-
-
-def _first_row(rows: slice | torch.Tensor) -> slice | torch.Tensor:
-    """The first row of a micro-batch (the input of a zero-weighted, collective-only pass)."""
-    return slice(rows.start, rows.start + 1) if isinstance(rows, slice) else rows[:1]
-
-
 def _identical_groups(ro: Rollout) -> float:
     """Fraction of prompts whose K completions are all the same text (sampling looks off)."""
     K = ro.num_generations
@@ -678,16 +686,6 @@ def _per_row(extra: dict[str, list], n: int, task: str) -> dict[str, list]:
         log.warning("task %s: log_extra(%r, ...) got %d values for %d completions; column left "
                     "out of the completions table", task, column, len(extra[column]), n)
     return {c: v for c, v in extra.items() if len(v) == n}
-
-
-def _slice(ro: Rollout, rows: slice | torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The micro-batch's tensors, trimmed of columns that are padding in every row."""
-    prompt_ids, prompt_mask = ro.prompt_ids[rows], ro.prompt_mask[rows]
-    completion_ids, completion_mask = ro.completion_ids[rows], ro.completion_mask[rows]
-    first = int(prompt_mask.any(0).float().argmax())  # left padding shared by all rows
-    width = max(int(completion_mask.sum(1).max()), 1)
-    return (prompt_ids[:, first:], prompt_mask[:, first:],
-            completion_ids[:, :width], completion_mask[:, :width])
 
 
 def all_process_advantages(grouped: torch.Tensor, weights: torch.Tensor | Sequence[float], *,

@@ -161,16 +161,19 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(policy: nn.Module, config: DistributedConfig, dist: Dist,
-                device: torch.device, *, reference_needed: bool
+                device: torch.device, *, reference_needed: bool,
+                reference_dtype: torch.dtype | None = None
                 ) -> tuple[ParallelPolicy, Reference | None]:
-    """Wrap `policy` for `config.strategy` and build the KL reference beside it.
+    """Wrap `policy` for `config.strategy` and build the KL reference beside it (a frozen
+    copy's weights in `reference_dtype`: see `make_reference`).
 
     Every process ends with process 0's weights: DDP broadcasts them when it wraps; FSDP2
     loads process 0's full state into the shards (`broadcast_from_rank0`). The reference is
     copied from those weights; under FSDP2 a frozen copy is sharded too (no optimizer)."""
     strategy = strategy_for(config, dist.world_size)
     if strategy == "none":
-        return ParallelPolicy(policy), make_reference(policy, needed=reference_needed)
+        return ParallelPolicy(policy), make_reference(policy, needed=reference_needed,
+                                                      dtype=reference_dtype)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -179,8 +182,9 @@ def parallelize(policy: nn.Module, config: DistributedConfig, dist: Dist,
             broadcast_buffers=False)  # buffers (rotary tables) never change in training
         log.info("distributed: DDP over %d processes", dist.world_size)
         return (ParallelPolicy(policy, "ddp", dist, wrapped),
-                make_reference(policy, needed=reference_needed))
-    reference = make_reference(policy, needed=reference_needed)  # frozen copy: before sharding
+                make_reference(policy, needed=reference_needed, dtype=reference_dtype))
+    # frozen copy: before sharding
+    reference = make_reference(policy, needed=reference_needed, dtype=reference_dtype)
     sharded = shard(policy, config, dist)
     if reference is not None and reference.kind == "frozen_copy":
         shard(reference._module, config, dist)

@@ -14,6 +14,7 @@ import torch
 
 from mogrpo.checkpoint.store import CHECKPOINTS, load_weights, verify
 from mogrpo.config import RunConfig, to_yaml
+from mogrpo.config.precision import FSDP_FP16
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.eval.quick_eval import QuickEval
@@ -28,6 +29,8 @@ from mogrpo.modeling.load import (
     save_pretrained,
     trainable_parameters,
 )
+from mogrpo.modeling.precision import Precision, pure_bf16_warning
+from mogrpo.modeling.precision import resolve as resolve_precision
 from mogrpo.rollout.generate import SamplingSettings, resolve_stop_ids
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task, load_tasks
@@ -107,13 +110,15 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
     return run_dir
 
 
-def _load_policy(config: RunConfig, base: Path | None,
+def _load_policy(config: RunConfig, base: Path | None, precision: Precision,
                  device: torch.device | None = None) -> tuple[torch.nn.Module, Any]:
     """The policy (LoRA attached when enabled) and tokenizer, from `base` or the config's model
-    (loaded onto `device` where that is a GPU)."""
+    (loaded onto `device` where that is a GPU), in the dtypes `precision` gives them."""
     mc, lc = config.model, config.lora
     return load_policy(
-        str(base) if base else mc.name_or_path, dtype=mc.dtype, gradient_checkpointing=mc.gradient_checkpointing,
+        str(base) if base else mc.name_or_path,
+        dtype=precision.load_dtype(lora=lc.enabled), adapter_dtype=precision.master_dtype,
+        gradient_checkpointing=mc.gradient_checkpointing,
         attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code,
         lora=LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules) if lc.enabled else None,
         load_in_4bit=mc.load_in_4bit,
@@ -128,9 +133,15 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
     settle how to sample from them."""
     device = resolve_device(config.device)
     mc = config.model
-    policy, tokenizer = _load_policy(config, base, device)
+    precision = resolve_precision(mc, device)
+    if precision.name == "fp16-mixed" and strategy_for(config.distributed,
+                                                       Dist.current().world_size) == "fsdp":
+        raise ConfigError(FSDP_FP16)
+    policy, tokenizer = _load_policy(config, base, precision, device)
     if not mc.load_in_4bit:
         policy.to(device)  # on a GPU already there (`load_policy`)
+    if precision.name == "bf16":
+        log.warning("%s", pure_bf16_warning(policy, config.train.learning_rate))
     trainable, total = trainable_parameters(policy)
     log.debug("model %s: %s trainable of %s parameters", mc.name_or_path, f"{trainable:,}", f"{total:,}")
     ro = config.rollout
@@ -146,8 +157,10 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
 
         dist = Dist.current()
         engine = VLLMEngine.create(policy, config, str(base) if base else mc.name_or_path,
-                                   rank=dist.rank, world_size=dist.world_size)
-    return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling, engine)
+                                   rank=dist.rank, world_size=dist.world_size,
+                                   dtype=precision.compute_dtype)
+    return TrainContext(config, tasks, policy, tokenizer, device, ids, sampling, engine,
+                        precision)
 
 
 def run_training(config: RunConfig, resume: str | None = None,
@@ -179,7 +192,8 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
     summary: dict[str, Any] = {"run_dir": str(run_dir), "tasks": [t.name for t in ctx.tasks],
                                "memory_estimate_gib": summary_memory}
     log.info("%s", startup_summary(config, ctx.policy, ctx.device, ctx.tasks, summary_memory,
-                                   run_dir, loaded.state["step"] if loaded else 0))
+                                   run_dir, loaded.state["step"] if loaded else 0,
+                                   ctx.precision))
     quick_eval = QuickEval(ctx, run_dir, dist)
     sft_done = bool(loaded and loaded.state["sft_done"])
     start_eval: dict[str, float] = {}
@@ -194,7 +208,8 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
             start_eval = quick_eval("start", 0)
     # DDP / FSDP2 (several processes): every process starts from process 0's weights
     parallel, reference = parallelize(ctx.policy, config.distributed, dist, ctx.device,
-                                      reference_needed=any(t.config.beta > 0 for t in ctx.tasks))
+                                      reference_needed=any(t.config.beta > 0 for t in ctx.tasks),
+                                      reference_dtype=ctx.precision.compute_dtype)
     if dist.world_size > 1 and loaded is None:  # each process samples its own completions
         torch.manual_seed(config.seed * 1_000_003 + dist.rank)
     trainer = GRPOTrainer(ctx, reference, parallel)
@@ -253,6 +268,11 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
     policy = ctx.policy
     if trainer.parallel.is_fsdp:  # the shards, whole in an ordinary model on process 0
         policy = _unsharded_policy(state, save)
+    if save and ctx.precision.mixed and not ctx.config.lora.enabled:
+        # the final model in the compute dtype, as inference loads it (the checkpoints keep
+        # the float32 master weights a resume needs; a LoRA merge is in its base's dtype)
+        for param in policy.parameters():
+            param.data = param.data.to(ctx.precision.compute_dtype)
     # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
         policy, ctx.tokenizer, run_dir / "final", merged=ctx.config.output.save_merged,
@@ -269,7 +289,8 @@ def _unsharded_policy(state: RunState, main: bool) -> torch.nn.Module | None:
     if not main:
         return None
     base = state.main_dir / "sft" / "merged" if state.sft_done else None
-    policy, _ = _load_policy(state.config, base if base and base.is_dir() else None)
+    policy, _ = _load_policy(state.config, base if base and base.is_dir() else None,
+                             state.ctx.precision)
     load_weights(policy, weights)
     return policy
 
@@ -349,7 +370,8 @@ def restart_adapter(ctx: TrainContext, sft_dir: Path, write: bool = True) -> Non
     if write:
         save_pretrained(merged, ctx.tokenizer, sft_dir)
     fresh = apply_lora(merged, LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules),
-                       input_grads=ctx.config.model.gradient_checkpointing)
+                       input_grads=ctx.config.model.gradient_checkpointing,
+                       adapter_dtype=ctx.precision.master_dtype)
     fresh.peft_config["default"].base_model_name_or_path = str(sft_dir)
     ctx.policy = fresh
     log.info("SFT adapter merged into %s; GRPO trains a fresh adapter on top", sft_dir)

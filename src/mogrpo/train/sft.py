@@ -97,6 +97,7 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
     optimizer = build_optimizer(policy, cfg.learning_rate, 0.0, (0.9, 0.999))
     scheduler = build_scheduler(optimizer, "constant", min(10, cfg.steps // 10), cfg.steps)
     params = [p for p in policy.parameters() if p.requires_grad]
+    scaler = ctx.precision.grad_scaler()  # fp16-mixed's loss scale; else a pass-through
     position, loss_value = 0, float("nan")
     with Progress(cfg.steps, "SFT", ctx.config.logging.progress_bar) as bar:
         for step in range(1, cfg.steps + 1):
@@ -106,8 +107,9 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
             items = data[position: position + cfg.batch_size]
             position += cfg.batch_size
             input_ids, attention, labels = _collate(items, pad_id, ctx.device)
-            logits = policy(input_ids=input_ids, attention_mask=attention,
-                            use_cache=False).logits  # [B, T, V]
+            with ctx.precision.autocast():  # the forward GRPO's passes compute in
+                logits = policy(input_ids=input_ids, attention_mask=attention,
+                                use_cache=False).logits  # [B, T, V]
             # Mean cross-entropy of each target token given what precedes it, in fp32: exactly
             # what transformers' `labels=` computes, without its loss lookup by class name
             # (which warns for GPT-2's `GPT2LMHeadModel` on every run).
@@ -115,9 +117,11 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
             loss = F.cross_entropy(logits.float().flatten(0, 1), next_tokens.flatten(),
                                    ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)  # clip the true gradients
             torch.nn.utils.clip_grad_norm_(params, ctx.config.train.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: skipped when they overflowed
+            scaler.update()
             scheduler.step()
             loss_value = loss.item()
             writer.write({"sft_step": step, "sft/loss": loss_value})

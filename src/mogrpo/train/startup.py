@@ -13,6 +13,7 @@ import torch
 
 from mogrpo.config import RunConfig
 from mogrpo.modeling.load import trainable_parameters
+from mogrpo.modeling.precision import Precision
 from mogrpo.tasks.task import Task
 
 
@@ -68,10 +69,12 @@ def _steps(config: RunConfig, start_step: int) -> str:
 
 def startup_summary(config: RunConfig, policy: torch.nn.Module, device: torch.device,
                     tasks: list[Task], memory_gib: float | None, run_dir: Path,
-                    start_step: int = 0) -> str:
-    """The run summary as log lines (one string)."""
+                    start_step: int = 0, precision: Precision | None = None) -> str:
+    """The run summary as log lines (one string); `precision` as resolved for the run (None:
+    the weights' dtype)."""
     trainable, total = trainable_parameters(policy)
-    dtype = next(policy.parameters()).dtype
+    dtype = precision.describe(lora=config.lora.enabled) if precision is not None \
+        else str(next(policy.parameters()).dtype).removeprefix("torch.")
     checkpointing = ", gradient checkpointing" if config.model.gradient_checkpointing else ""
     memory = (f"estimated peak {memory_gib:.2f} GiB (`mogrpo memory` has the breakdown; "
               "measured per step as memory/peak_gib)") if memory_gib is not None \
@@ -80,7 +83,7 @@ def startup_summary(config: RunConfig, policy: torch.nn.Module, device: torch.de
         "run summary",
         f"  model    {config.model.name_or_path} — {_training(config)}",
         f"  params   {trainable:,} trainable of {total:,} ({trainable / max(total, 1):.2%})",
-        f"  device   {device}, {str(dtype).removeprefix('torch.')}{checkpointing}",
+        f"  device   {device}, {dtype}{checkpointing}",
         *_task_lines(tasks),
         _steps(config, start_step),
         f"  memory   {memory}",
