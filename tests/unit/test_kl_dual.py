@@ -20,17 +20,32 @@ BOUND = 150  # steps: the bound the controller's docstring states
 
 def test_one_update_by_hand():
     ctrl = DualKL("fairness", 0.02, low=LOW, high=HIGH, kp=0.5, ki=0.3)
-    # first update: e = ln(0.25 / 0.02236) = 2.414 -> clipped 1.5; no earlier error, so the
+    # the quiet middle: half the band's log-width around its centre, 0.01 * 5^0.25 .. 0.05 / 5^0.25
+    assert (ctrl.quiet_low, ctrl.quiet_high) == (pytest.approx(LOW * 5 ** 0.25),
+                                                 pytest.approx(HIGH / 5 ** 0.25))
+    # first update: e = ln(0.25 / 0.03344) = 2.01 -> clipped 1.5; no earlier error, so the
     # proportional term is 0: ln beta += 0.3 * 1.5 = 0.45
     change = ctrl.update(0.25, 20)
     assert ctrl.beta == pytest.approx(0.02 * math.exp(0.45), rel=1e-12)
     assert change.format() == "[KL@20] fairness KL 0.250 > 0.050: beta 0.0200 -> 0.0314"
-    # second: e = ln(0.04 / 0.02236) = 0.5816; 0.3 * 0.5816 + 0.5 * (0.5816 - 1.5) = -0.2847
-    e = math.log(0.04 / CENTRE)
+    # second: e = ln(0.04 / 0.03344) = 0.179; 0.3 * 0.179 + 0.5 * (0.179 - 1.5) = -0.607
+    e = math.log(0.04 / ctrl.quiet_high)
     before = ctrl.beta
     change = ctrl.update(0.04, 40)
     assert ctrl.beta == pytest.approx(before * math.exp(0.3 * e + 0.5 * (e - 1.5)), rel=1e-12)
-    assert change.reason == "KL 0.040 in band, centre 0.022"
+    assert change.reason == "KL 0.040 in band 0.010-0.050"
+    # inside the quiet middle the error is 0: only the proportional term's memory moves beta
+    before = ctrl.beta
+    ctrl.update(CENTRE, 60)
+    assert ctrl.beta == pytest.approx(before * math.exp(0.5 * (0 - e)), rel=1e-12)
+    before = ctrl.beta
+    assert ctrl.update(0.02, 80) is None and ctrl.beta == before  # quiet, and so was the last
+
+
+def test_quiet_zero_steers_to_the_centre():
+    ctrl = DualKL("t", 0.02, low=LOW, high=HIGH, kp=0, ki=0.3, quiet=0)
+    ctrl.update(0.04, 10)
+    assert ctrl.beta == pytest.approx(0.02 * math.exp(0.3 * math.log(0.04 / CENTRE)), rel=1e-12)
 
 
 def test_a_step_is_capped_and_beta_clamped():
@@ -61,7 +76,7 @@ def test_during_the_warm_up_beta_rises_but_does_not_fall():
 
 
 def test_the_kls_rise_from_zero_in_the_warm_up_is_no_kick():
-    """The proportional term starts after the warm-up: a KL that rose from 0 to the centre
+    """The proportional term starts after the warm-up: a KL that rose from 0 into the band
     during it leaves beta where it was (no jump from the -1.5 of the first measurements)."""
     ctrl = DualKL("t", 0.02, low=LOW, high=HIGH, warmup_steps=20)
     ctrl.update(0.0, 10)
@@ -126,8 +141,8 @@ def test_without_noise_beta_settles_no_limit_cycle(factor):
     kls, betas = _plant(0.05 * factor, 2.0, seed=0, noise=0.0, steps=600)
     tail = betas[-200:]
     assert max(tail) / min(tail) < 1.01  # settled, not cycling
-    assert tail[-1] == pytest.approx(0.05, rel=0.02)  # at the multiplier the band's centre needs
-    assert kls[-1] == pytest.approx(CENTRE, rel=0.03)
+    ctrl = DualKL("t", 0.05, low=LOW, high=HIGH)
+    assert ctrl.quiet_low * 0.97 <= kls[-1] <= ctrl.quiet_high * 1.03  # in the quiet middle
 
 
 def test_the_band_controllers_cannot_do_the_same():
@@ -163,6 +178,7 @@ def test_a_band_without_a_kind_is_held_by_dual():
     ({"low": 0.0, "high": 0.01}, "0 < low < high"),
     ({"low": 0.01, "high": 0.05, "ki": 0}, "need kp >= 0 and ki > 0"),
     ({"low": 0.01, "high": 0.05, "max_step": 3}, r"tasks.t.kl.max_step=3 must be in \(0, 2\]"),
+    ({"low": 0.01, "high": 0.05, "quiet": 1}, r"tasks.t.kl.quiet=1 must be in \[0, 1\)"),
     ({"low": 0.01}, "tasks.t.kl.high is required for kind 'dual'"),
     ({"low": 0.01, "high": 0.05, "rate": 0.1}, "rate=0.1 does not apply to kind 'dual'"),
 ])
@@ -178,8 +194,8 @@ def test_beta_zero_is_refused():
 
 def test_small_moves_are_logged_once_they_add_up_to_ten_percent():
     ctrl = DualKL("t", 0.02, low=LOW, high=HIGH, kp=0, ki=0.2)
-    kl = CENTRE * math.exp(0.2)  # e = 0.2: ln beta += 0.04 a time (4 %)
+    kl = ctrl.quiet_high * math.exp(0.2)  # e = 0.2: ln beta += 0.04 a time (4 %)
     records = [ctrl.update(kl, step) for step in (10, 20, 30)]
     assert records[:2] == [None, None] and ctrl.beta == pytest.approx(0.02 * math.exp(0.12))
     # the third brings it to +12.7 %: one line from the last logged beta
-    assert records[2].format() == "[KL@30] t KL 0.027 in band, centre 0.022: beta 0.0200 -> 0.0225"
+    assert records[2].format() == "[KL@30] t KL 0.041 in band 0.010-0.050: beta 0.0200 -> 0.0225"

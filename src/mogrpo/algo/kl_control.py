@@ -214,27 +214,29 @@ LOG_CHANGE = math.log(1.1)
 
 
 class DualKL(KLController):
-    """beta as the Lagrange multiplier of this task's KL constraint, steered into the band
-    ``[low, high]`` by a PI law on log beta.
+    """beta as the Lagrange multiplier of this task's KL constraint, holding the KL inside
+    the band ``[low, high]`` by a PI law on log beta.
 
     The GRPO objective with a KL penalty, max E[A] - beta * KL, is the Lagrangian of
     max E[A] subject to KL <= budget; beta is its multiplier, and dual ascent raises it while
     the constraint is violated and lowers it while there is slack (Boyd & Vandenberghe,
     Convex Optimization, 5.5; RL with a KL budget: Stooke et al. 2020, arXiv 2007.03964, which
-    adds a proportional term to damp the multiplier's oscillations). Here the error is
-    ``e = clip(ln(KL / target), -1.5, 1.5)`` with ``target = sqrt(low * high)``, the band's
-    geometric centre, so one update is scale-free and a KL 10x off moves beta as much as one
-    10x off the other way; in velocity form
+    adds a proportional term to damp the multiplier's oscillations). The error is measured in
+    logs from the band's middle: the `quiet` share of the band's log-width around its
+    geometric centre, where beta stays put (``quiet = 0``: the centre itself). Above it,
+    ``e = ln(KL / quiet_high)``, below it ``e = ln(KL / quiet_low)``, clipped to +-1.5, so a KL
+    10x off moves beta as much either way; in velocity form
 
         ln beta <- ln beta + ki * e_k + kp * (e_k - e_{k-1}),
 
     each change capped at ``max_step`` (ln 2: at most x2 or /2 per update) and beta clamped
     to ``[beta_min, beta_max]`` (the clamp is the integrator's state, so it does not wind up).
     The proportional term answers the KL's change, which leads its level: the policy moves
-    toward a new beta over many steps, and an integral law alone overshoots. During the first
-    ``warmup_steps`` steps beta may rise but not fall, and the proportional term starts after
-    them: the policy starts at the reference, so an early KL near 0 says nothing about the
-    slack, and its rise from 0 is not a change to answer.
+    toward a new beta over many steps, and an integral law alone overshoots. The quiet middle
+    keeps beta from chasing the KL's noise, and leaves a margin to the band's edges. During the
+    first ``warmup_steps`` steps beta may rise but not fall, and the proportional term starts
+    after them: the policy starts at the reference, so an early KL near 0 says nothing about
+    the slack, and its rise from 0 is not a change to answer.
 
     On a simulated plant (KL relaxing toward c / beta or c / beta^2 with a 10- or 20-step time
     constant, a 3-step delay and 60 % log-normal noise per step, updates on the mean of every
@@ -256,6 +258,7 @@ class DualKL(KLController):
         kp: float = 0.3,
         ki: float = 0.2,
         max_step: float = math.log(2),
+        quiet: float = 0.5,
         warmup_steps: int = 0,
         beta_min: float = 1e-4,
         beta_max: float = 10.0,
@@ -266,6 +269,7 @@ class DualKL(KLController):
         self.kp = _check_number(task, "kp", kp)
         self.ki = _check_number(task, "ki", ki)
         self.max_step = _check_number(task, "max_step", max_step)
+        self.quiet = _check_number(task, "quiet", quiet)
         self.warmup_steps = int(_check_number(task, "warmup_steps", warmup_steps))
         if not 0 < self.low < self.high:
             raise ConfigError(
@@ -282,6 +286,11 @@ class DualKL(KLController):
                 f"{_field(task, 'max_step')}={max_step!r} must be in (0, 2]: the largest change "
                 "of ln(beta) in one update (default ln 2 = 0.693: at most x2 or /2)"
             )
+        if not 0 <= self.quiet < 1:
+            raise ConfigError(
+                f"{_field(task, 'quiet')}={quiet!r} must be in [0, 1): the share of the band "
+                "(in logs, around its centre) where beta stays put (default 0.5)"
+            )
         if self.warmup_steps < 0:
             raise ConfigError(f"{_field(task, 'warmup_steps')}={warmup_steps!r} must be >= 0")
         if self.beta <= 0 or self.beta_min <= 0:
@@ -290,6 +299,8 @@ class DualKL(KLController):
                 "must be > 0 for kind 'dual', which moves beta by factors"
             )
         self.target = math.sqrt(self.low * self.high)
+        margin = (1 - self.quiet) / 2 * math.log(self.high / self.low)
+        self.quiet_low, self.quiet_high = self.low * math.exp(margin), self.high / math.exp(margin)
         self._last_error: float | None = None
         self._logged: float | None = beta  # beta as the last logged change left it
 
@@ -298,7 +309,12 @@ class DualKL(KLController):
         10 % or more from the last recorded value (the record's `old`)."""
         if not math.isfinite(kl):
             return None
-        error = math.log(kl / self.target) if kl > 0 else -1.5
+        if kl > self.quiet_high:
+            error = math.log(kl / self.quiet_high)
+        elif kl < self.quiet_low:
+            error = math.log(kl / self.quiet_low) if kl > 0 else -1.5
+        else:
+            error = 0.0
         error = min(max(error, -1.5), 1.5)
         last = error if self._last_error is None else self._last_error
         delta = self.ki * error + self.kp * (error - last)
@@ -316,7 +332,7 @@ class DualKL(KLController):
         elif kl > self.high:
             reason = f"KL {_num(kl)} > {_num(self.high)}"
         else:
-            reason = f"KL {_num(kl)} in band, centre {_num(self.target)}"
+            reason = f"KL {_num(kl)} in band {_num(self.low)}-{_num(self.high)}"
         self._logged = self.beta
         return BetaChange(self.task, step, float(kl), logged, self.beta, reason)
 
@@ -343,7 +359,8 @@ _OPTIONS = {
     "fixed": (),
     "band": ("low", "high", "rate", "beta_min", "beta_max"),
     "proportional": ("target", "horizon", "beta_min", "beta_max"),
-    "dual": ("low", "high", "kp", "ki", "max_step", "warmup_steps", "beta_min", "beta_max"),
+    "dual": ("low", "high", "kp", "ki", "max_step", "quiet", "warmup_steps", "beta_min",
+             "beta_max"),
 }
 
 

@@ -138,13 +138,16 @@ class KLControlConfig(Section):
     horizon: int | None = None
     """proportional: samples over which β may change by ±20 % (default 10000)."""
     kp: float | None = None
-    """dual: proportional gain on the change of ln(KL / centre) (default 0.3; 0 = pure dual
+    """dual: proportional gain on the change of the log-error (default 0.3; 0 = pure dual
     ascent)."""
     ki: float | None = None
-    """dual: integral gain, the dual-ascent step on ln β per unit of ln(KL / centre)
-    (default 0.2)."""
+    """dual: integral gain, the dual-ascent step on ln β per unit of log-error: ln(KL) outside
+    the band's quiet middle (default 0.2)."""
     max_step: float | None = None
     """dual: the largest change of ln β in one update (default ln 2: at most ×2 or ÷2)."""
+    quiet: float | None = None
+    """dual: the share of the band (in logs, around its geometric centre) where β stays put
+    (default 0.5; 0 = steer to the centre itself)."""
     warmup_steps: int | None = None
     """dual: steps during which β may rise but not fall (default 0): the policy starts at the
     reference, so its first KL is near 0 whatever β is."""
@@ -166,7 +169,7 @@ class KLControlConfig(Section):
 
     def options(self) -> dict[str, Any]:
         """The controller's options that are set (the rest keep the controller's defaults)."""
-        names = ("low", "high", "rate", "target", "horizon", "kp", "ki", "max_step",
+        names = ("low", "high", "rate", "target", "horizon", "kp", "ki", "max_step", "quiet",
                  "warmup_steps", "beta_min", "beta_max")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
