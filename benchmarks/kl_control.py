@@ -57,14 +57,17 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("runs/bench-kl-control"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kl_control.md"))
     parser.add_argument("--add", action="append", default=[], metavar="KIND=JSON",
-                        help="take KIND's runs from a demo_seeds.py JSON of the same commit and "
-                             "seeds instead of running them (the demo's default is `dual`)")
+                        help="take KIND's runs from a JSON of this script or of demo_seeds.py "
+                             "(same commit and seeds) instead of running them (the demo's own "
+                             "controller is `dual`)")
     args = parser.parse_args()
     added = dict(a.split("=", 1) for a in args.add)
     kinds = [k for k in args.kinds if k not in added] + list(added)
     results: dict[str, list[dict]] = {k: [] for k in kinds}
     for kind, path in added.items():
-        runs = {r["seed"]: r for r in json.loads(Path(path).read_text(encoding="utf-8"))}
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = data[kind] if isinstance(data, dict) else data  # this script's JSON or demo_seeds'
+        runs = {r["seed"]: r for r in data}
         results[kind] = [runs[s] for s in args.seeds]
     bands = {name: (task["kl"]["low"], task["kl"]["high"])
              for name, task in demo_base()["tasks"].items()}

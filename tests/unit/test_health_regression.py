@@ -18,9 +18,10 @@ from mogrpo.health.stats import StepNoise, mann_whitney_greater, score_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "health"
 FULL = StepContext(temperature=1.0, full_finetune=True)
-# the demo's two tasks have band KL controllers (configs/demo.yaml): their budgets
+# the demo's two tasks have dual KL controllers (configs/demo.yaml): their budgets and bands
 DEMO = StepContext(temperature=1.0, full_finetune=True,
-                   kl_budgets={"fairness": 0.05, "hallucination": 0.6}, max_completion_length=16)
+                   kl_budgets={"fairness": 0.35, "hallucination": 0.8}, max_completion_length=16,
+                   kl_bands={"fairness": (0.05, 0.35), "hallucination": (0.08, 0.8)})
 
 
 def eval_metrics(record: dict[str, Any]) -> dict[str, Any]:
