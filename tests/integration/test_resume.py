@@ -115,6 +115,21 @@ def test_sigkill_mid_step_then_resume_is_bit_identical(tmp_path, tiny_model, who
     assert beta_report_line(tmp_path / "cut") == beta_report_line(whole_run)
 
 
+def test_the_same_seed_on_the_same_machine_and_commit_repeats_the_run(tmp_path, tiny_model,
+                                                                     whole_run):
+    """What "repeatable" means in the README: the same config and seed, run again on this
+    machine at this commit, give the same metrics, evals and weights, bit for bit. (Across
+    CPUs it is not promised: their kernels round products differently.)"""
+    again = write_config(tmp_path / "again.yaml", tiny_model, tmp_path / "again", 4,
+                         **EVERY_STEP_EVAL)
+    assert train_in_subprocess(again) == 0
+    assert metric_lines(tmp_path / "again") == metric_lines(whole_run)
+    assert eval_lines(tmp_path / "again") == eval_lines(whole_run)
+    a = load_file(whole_run / "final" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "again" / "final" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sigkill_during_the_final_save_writes_the_end_eval_once(tmp_path, tiny_model, whole_run):
     cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 4, **EVERY_STEP_EVAL)
     # the process kills itself when it starts saving the final model, after the `end` eval
