@@ -18,7 +18,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from mogrpo.config.precision import dtype_conflict
+from mogrpo.config.machine import machine_errors
+from mogrpo.config.precision import FOUR_BIT_NEEDS_LORA, dtype_conflict
 from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
 from mogrpo.errors import ConfigError
 
@@ -129,10 +130,10 @@ def load_config(
     """Resolve defaults < `base` < file < environment < `arguments` (keyword arguments of
     `mogrpo.Config`) < `--set` into a validated RunConfig.
 
-    `machine=False` leaves out what only this machine decides (vLLM installed, a CUDA GPU), for
-    commands that read a config meant for another machine (`memory`, `config show`,
-    `data check`). Returns the config and the origin of every value that did not come from
-    the defaults.
+    `machine=False` leaves out what only this machine decides (vLLM installed, a CUDA GPU,
+    bfloat16, bitsandbytes), for commands that read a config meant for another machine
+    (`memory`, `config show`, `data check`). Returns the config and the origin of every value
+    that did not come from the defaults.
     """
     sourced = Sourced()
     if base:
@@ -209,7 +210,7 @@ def _format_validation(err: ValidationError, origin: dict[str, str]) -> str:
 
 def validate(config: RunConfig, *, machine: bool = True) -> None:
     """Cross-field checks; every message names the field, the value and the fix. `machine`:
-    also what this machine must have for the run (see `load_config`)."""
+    also what this machine must have for the run (`config.machine`; see `load_config`)."""
     errors: list[str] = []
     ro, tr = config.rollout, config.train
     if not config.model.name_or_path:
@@ -256,6 +257,8 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
                 f"({completion}) = {prompt + completion} exceeds rollout.max_seq_length "
                 f"({ro.max_seq_length}); shorten one of them or raise max_seq_length"
             )
+    if config.model.load_in_4bit and not config.lora.enabled:
+        errors.append(FOUR_BIT_NEEDS_LORA)
     if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:
         errors.append(
             "algorithm.kl_importance_weight = detached has no effect with "
@@ -274,6 +277,8 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
         config.curriculum.check_tasks({n: t.weight for n, t in config.tasks.items()})
     except ConfigError as err:
         errors.append(str(err))
+    if machine:
+        errors.extend(machine_errors(config))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
