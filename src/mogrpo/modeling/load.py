@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from mogrpo.config.machine import accelerator_problems
+from mogrpo.config.model_limits import HUB_ID
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_targets
 from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
@@ -30,8 +30,6 @@ from mogrpo.modeling.lora_linear import use_fused_lora
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# A hub id is "name" or "owner/name"; anything else that does not exist locally is a bad path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass
@@ -71,7 +69,7 @@ def _check_source(name_or_path: str, what: str) -> None:
                 f"{what} {name_or_path!r} is a file; pass the directory that holds config.json"
             )
         return
-    if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "~")):
+    if not HUB_ID.match(name_or_path) or name_or_path.startswith((".", "~")):
         raise ModelError(
             f"{what} {name_or_path!r} does not exist and is not a Hugging Face hub id; "
             "pass an existing local directory or an id like 'Qwen/Qwen2.5-0.5B-Instruct'"
