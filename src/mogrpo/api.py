@@ -47,6 +47,7 @@ class Config(RunConfig):
             path = source
         config, _ = load_config(path, base=base, arguments=sections)
         super().__init__(**config.model_dump())
+        self.limit_notes.update(config.limit_notes)  # not a field: the dump leaves it out
 
 
 def train(config: RunConfig | str | Path | Mapping[str, Any] | None = None, /, *,

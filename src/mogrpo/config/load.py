@@ -18,7 +18,9 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from mogrpo.config.precision import dtype_conflict
+from mogrpo.config.machine import machine_errors
+from mogrpo.config.model_limits import model_errors
+from mogrpo.config.precision import FOUR_BIT_NEEDS_LORA, dtype_conflict
 from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
 from mogrpo.errors import ConfigError
 
@@ -129,10 +131,11 @@ def load_config(
     """Resolve defaults < `base` < file < environment < `arguments` (keyword arguments of
     `mogrpo.Config`) < `--set` into a validated RunConfig.
 
-    `machine=False` leaves out what only this machine decides (vLLM installed, a CUDA GPU), for
-    commands that read a config meant for another machine (`memory`, `config show`,
-    `data check`). Returns the config and the origin of every value that did not come from
-    the defaults.
+    `machine=False` leaves out what only this machine decides (vLLM installed, a CUDA GPU,
+    bfloat16, bitsandbytes), for commands that read a config meant for another machine
+    (`memory`, `config show`, `data check`); what the model's files decide is checked either
+    way. Returns the config and the origin of every value that did not come from the defaults
+    (a budget lowered to the model's positions: `model limit (…)`).
     """
     sourced = Sourced()
     if base:
@@ -152,6 +155,9 @@ def load_config(
     except ValidationError as err:
         raise ConfigError(_format_validation(err, sourced.origin)) from None
     validate(config, machine=machine)
+    for key, note in config.limit_notes.items():  # `config show`: why the value changed
+        was = _source(key, sourced.origin)
+        sourced.origin[key] = f"model limit ({note.split(', ')[0]}; was {was})"
     return config, sourced.origin
 
 
@@ -208,8 +214,10 @@ def _format_validation(err: ValidationError, origin: dict[str, str]) -> str:
 
 
 def validate(config: RunConfig, *, machine: bool = True) -> None:
-    """Cross-field checks; every message names the field, the value and the fix. `machine`:
-    also what this machine must have for the run (see `load_config`)."""
+    """Cross-field checks, and what the model's config.json and tokenizer files decide
+    (`model_limits`: budgets lowered to its positions are noted in `config.limit_notes`);
+    every message names the field, the value and the fix. `machine`: also what this machine
+    must have for the run (`config.machine`; see `load_config`)."""
     errors: list[str] = []
     ro, tr = config.rollout, config.train
     if not config.model.name_or_path:
@@ -240,22 +248,14 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
             f"{ro.num_generations}: each prompt's {ro.num_generations} completions must all "
             f"be in the step; use e.g. micro_batch_size = {ro.num_generations * max(1, tr.micro_batch_size // ro.num_generations)}"
         )
-    if ro.length_allocation != "explicit" and (
-        ro.max_prompt_length is not None or ro.max_completion_length is not None
-    ):
-        errors.append(
-            f"rollout.length_allocation = {ro.length_allocation} derives both lengths from "
-            "rollout.max_seq_length; remove max_prompt_length/max_completion_length or set "
-            "length_allocation: explicit"
-        )
-    else:
-        prompt, completion = derive_lengths(ro)
-        if prompt < 1 or completion < 1 or prompt + completion > ro.max_seq_length:
-            errors.append(
-                f"rollout.max_prompt_length ({prompt}) + rollout.max_completion_length "
-                f"({completion}) = {prompt + completion} exceeds rollout.max_seq_length "
-                f"({ro.max_seq_length}); shorten one of them or raise max_seq_length"
-            )
+    length_errors = _length_errors(config)
+    errors.extend(length_errors)
+    if config.model.name_or_path and not length_errors:
+        found, notes = model_errors(config)  # reads config.json: no weights, no torch
+        errors.extend(found)
+        config.limit_notes.update(notes)
+    if config.model.load_in_4bit and not config.lora.enabled:
+        errors.append(FOUR_BIT_NEEDS_LORA)
     if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:
         errors.append(
             "algorithm.kl_importance_weight = detached has no effect with "
@@ -274,8 +274,32 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
         config.curriculum.check_tasks({n: t.weight for n, t in config.tasks.items()})
     except ConfigError as err:
         errors.append(str(err))
+    if machine:
+        errors.extend(machine_errors(config))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _length_errors(config: RunConfig) -> list[str]:
+    """The rollout lengths against each other and rollout.max_seq_length (the model's limits:
+    `model_limits`)."""
+    ro = config.rollout
+    if ro.length_allocation != "explicit" and (
+        ro.max_prompt_length is not None or ro.max_completion_length is not None
+    ):
+        return [
+            f"rollout.length_allocation = {ro.length_allocation} derives both lengths from "
+            "rollout.max_seq_length; remove max_prompt_length/max_completion_length or set "
+            "length_allocation: explicit"
+        ]
+    prompt, completion = derive_lengths(ro)
+    if prompt < 1 or completion < 1 or prompt + completion > ro.max_seq_length:
+        return [
+            f"rollout.max_prompt_length ({prompt}) + rollout.max_completion_length "
+            f"({completion}) = {prompt + completion} exceeds rollout.max_seq_length "
+            f"({ro.max_seq_length}); shorten one of them or raise max_seq_length"
+        ]
+    return []
 
 
 def _vllm_errors(config: RunConfig, machine: bool = True) -> list[str]:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field, field_serializer, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_serializer, field_validator, model_validator
 
 from mogrpo.algo.choices import (
     AdvantageCombine,
@@ -293,7 +293,8 @@ class RolloutConfig(Section):
     num_generations: int = 4
     """K: completions sampled per prompt (the group of group-relative advantages); ≥ 2."""
     max_seq_length: int = Field(512, ge=2)
-    """Token budget for prompt + completion."""
+    """Token budget for prompt + completion; lengths not given are derived from it, or from the
+    model's positions where it has fewer (config.json is read before the model loads)."""
     length_allocation: Literal["explicit", "balanced", "prompt_heavy", "completion_heavy"] = (
         "explicit"
     )
@@ -441,7 +442,7 @@ class SFTConfig(Section):
     batch_size: int = Field(8, ge=1)
     """Examples per warm-up step."""
     max_length: int = Field(256, ge=2)
-    """Token limit of prompt + target in the warm-up."""
+    """Token limit of prompt + target in the warm-up (at most the model's positions)."""
     learning_rate: float = Field(1e-4, gt=0)
     """Warm-up learning rate (constant after a short linear warm-up)."""
     max_examples: int | None = Field(None, ge=1)
@@ -549,6 +550,14 @@ class RunConfig(Section):
     """Stages that change the tasks' shares of the prompts as the run progresses."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Several processes: data parallel (DDP) or sharded (FSDP2)."""
+
+    _limit_notes: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def limit_notes(self) -> dict[str, str]:
+        """Budgets `validate` lowered to the model's limits, by key: from what to what, and why
+        (`config.model_limits`; the startup summary prints them)."""
+        return self._limit_notes
 
     @property
     def prompts_per_step(self) -> int:

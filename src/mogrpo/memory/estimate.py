@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mogrpo.config import RunConfig, derive_lengths
-from mogrpo.config.precision import MASTER_BYTES, resolve_precision
+from mogrpo.config.precision import FOUR_BIT_NEEDS_LORA, MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
 
@@ -229,8 +229,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         model_config, trust_remote_code=run.model.trust_remote_code)
     mc, lc = run.model, run.lora
     if mc.load_in_4bit and not lc.enabled:
-        raise ConfigError("model.load_in_4bit trains nothing without LoRA (4-bit weights are "
-                          "frozen); set lora.enabled: true")
+        raise ConfigError(FOUR_BIT_NEEDS_LORA)
     precision = resolve_precision(mc.precision, mc.dtype, device)
     compute = 4 if precision == "fp32" else 2
     # resident weights: trained ones in the master dtype, a frozen LoRA base in the compute one

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from mogrpo.config.machine import accelerator_problems
+from mogrpo.config.model_limits import HUB_ID
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_targets
 from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
@@ -30,9 +30,6 @@ from mogrpo.modeling.lora_linear import use_fused_lora
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# A hub id is "name" or "owner/name"; anything else that does not exist locally is a bad path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 @dataclass
@@ -72,7 +69,7 @@ def _check_source(name_or_path: str, what: str) -> None:
                 f"{what} {name_or_path!r} is a file; pass the directory that holds config.json"
             )
         return
-    if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "~")):
+    if not HUB_ID.match(name_or_path) or name_or_path.startswith((".", "~")):
         raise ModelError(
             f"{what} {name_or_path!r} does not exist and is not a Hugging Face hub id; "
             "pass an existing local directory or an id like 'Qwen/Qwen2.5-0.5B-Instruct'"
@@ -95,19 +92,9 @@ def _unreachable(name_or_path: str, what: str, err: Exception) -> ModelError:
 
 
 def _check_accelerators(load_in_4bit: bool, attn_implementation: str | None) -> None:
-    if load_in_4bit and (
-        not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None
-    ):
-        raise ModelError(
-            "model.load_in_4bit is set but 4-bit loading needs a CUDA GPU and `pip install mogrpo[gpu]` "
-            "(bitsandbytes); on this machine set model.load_in_4bit: false"
-        )
-    package = _FLASH_PACKAGES.get(attn_implementation or "")
-    if package and (not torch.cuda.is_available() or importlib.util.find_spec(package) is None):
-        raise ModelError(
-            f"model.attn_implementation = {attn_implementation!r} needs a CUDA GPU and the `{package}` "
-            "package; install it or use attn_implementation 'sdpa' (the default) or 'eager'"
-        )
+    problems = accelerator_problems(load_in_4bit, attn_implementation)
+    if problems:
+        raise ModelError(problems[0])
 
 
 def load_tokenizer(

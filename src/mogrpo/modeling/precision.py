@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mogrpo.config.machine import no_bf16
 from mogrpo.config.precision import COMPUTE_DTYPE, resolve_precision
 from mogrpo.config.sections import ModelConfig
 from mogrpo.errors import ConfigError
@@ -90,10 +91,7 @@ def resolve(model: ModelConfig, device: torch.device) -> Precision:
     bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
     name = resolve_precision(model.precision, model.dtype, device.type, bf16_supported=bf16)
     if "bf16" in name and not bf16:
-        raise ConfigError(
-            f"model.precision = {name}: this GPU ({torch.cuda.get_device_name(device)}) has no "
-            "bfloat16; use fp16-mixed (float32 weights, float16 compute with loss scaling) or "
-            "fp32")
+        raise ConfigError(no_bf16(name, torch.cuda.get_device_name(device)))
     return Precision(name, device.type)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
+from mogrpo.config.model_limits import position_limit
 from mogrpo.config.sections import RolloutConfig, RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.layout import unsupported_reason
@@ -203,13 +204,12 @@ def _warn_inherited_fields(model: nn.Module, config: GenerationConfig) -> None:
         )
 
 
-def _context_limit(model: nn.Module) -> int | None:
+def _context_limit(model: nn.Module) -> tuple[int | None, str]:
+    """The model's positions as validation reads them from config.json (RoPE scaling too)."""
     config = getattr(model, "config", None)
-    if config is None:
-        return None
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return getattr(config, "max_position_embeddings", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None, ""
+    return position_limit(config.to_dict())
 
 
 def tokenize_prompts(
@@ -405,12 +405,12 @@ def generate_rollout(
         raise ConfigError(f"max_prompt_length = {max_prompt_length} must be >= 1")
     if not prompt_texts:
         raise DataError("generate_rollout got no prompts")
-    limit = _context_limit(model)
+    limit, source = _context_limit(model)
     if limit is not None and max_prompt_length + settings.max_new_tokens > limit:
         raise ConfigError(
             f"max_prompt_length ({max_prompt_length}) + max_new_tokens ({settings.max_new_tokens}) = "
-            f"{max_prompt_length + settings.max_new_tokens} exceeds the model's "
-            f"max_position_embeddings ({limit}); lower one of them so they fit"
+            f"{max_prompt_length + settings.max_new_tokens} exceeds the model's {limit} "
+            f"positions ({source}); lower one of them so they fit"
         )
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

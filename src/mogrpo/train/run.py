@@ -14,6 +14,7 @@ import torch
 
 from mogrpo.checkpoint.store import CHECKPOINTS, load_weights, verify
 from mogrpo.config import RunConfig, to_yaml
+from mogrpo.config.machine import NO_CUDA
 from mogrpo.config.precision import FSDP_FP16
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
@@ -56,7 +57,7 @@ def seed_everything(seed: int) -> None:
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device = cuda but no CUDA GPU is visible; set device: auto or cpu")
+        raise ConfigError(NO_CUDA)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and Dist.current().world_size > 1:

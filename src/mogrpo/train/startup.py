@@ -2,7 +2,7 @@
 
 Logged once, after the model is loaded and before the first step (SFT or GRPO): model and
 how it is trained, parameters, device and dtype, each task's rows, rewards and β, the step
-plan, the memory estimate and the output folder.
+plan, the budgets lowered to the model's limits, the memory estimate and the output folder.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def startup_summary(config: RunConfig, policy: torch.nn.Module, device: torch.de
         f"  device   {device}, {dtype}{checkpointing}",
         *_task_lines(tasks),
         _steps(config, start_step),
+        *(f"  limits   {key} {note}" for key, note in config.limit_notes.items()),
         f"  memory   {memory}",
         f"  output   {run_dir}",
     ])
