@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mogrpo.config.hardware import quantized_field, small_gpu_errors
 from mogrpo.config.precision import dtype_conflict
 from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
 from mogrpo.errors import ConfigError
@@ -225,6 +226,7 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
                 f"tasks.{name}.rewards is empty: add a reward, e.g. `rewards: [mc_correct]`"
             )
     errors.extend(_task_control_errors(config))
+    errors.extend(small_gpu_errors(config, machine))
     if ro.engine == "vllm":
         errors.extend(_vllm_errors(config, machine))
     if ro.num_generations < 2:
@@ -290,9 +292,10 @@ def _vllm_errors(config: RunConfig, machine: bool = True) -> list[str]:
         if not low <= value <= high:
             errors.append(f"rollout.{name} = {value} is outside vLLM's range [{low}, {high}]; "
                           "bring it inside or use rollout.engine: auto")
-    if config.model.load_in_4bit:
-        errors.append("rollout.engine = vllm cannot follow a 4-bit policy (its weight push needs "
-                      "unquantised weights); set model.load_in_4bit: false or use engine: auto")
+    quantized = quantized_field(config.model)
+    if quantized:
+        errors.append(f"rollout.engine = vllm cannot follow a quantised policy (its weight push "
+                      f"needs unquantised weights); set {quantized}: false or use engine: auto")
     if config.rollout.vllm.server_url is not None:
         return errors  # vLLM and its GPU are the server's; the trainer only talks to it
     if config.device == "cpu":
