@@ -127,3 +127,43 @@ def test_adafactor_trains_a_tiny_lm_and_resumes_to_the_same_bits(tiny_model_dir,
     assert _steps(resumed, optimizer, batches[4:]) == whole
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved_kind", ["adafactor", "adamw"])
+def test_a_resume_that_changed_the_optimizer_starts_its_state_afresh(monkeypatch, caplog,
+                                                                     saved_kind):
+    """With --allow-config-change a checkpoint of another optimizer loads its weights only:
+    AdamW's m and v cannot be an Adafactor's row and column means."""
+    from types import SimpleNamespace
+
+    from mogrpo.checkpoint import store
+    from mogrpo.config import RunConfig, to_yaml
+    from mogrpo.train.state import RunState
+
+    def trained(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = _model()
+        optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), kind)
+        model(torch.tensor([1, 2]))[:, 0].sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    def config(kind: str) -> RunConfig:
+        return RunConfig.model_validate({"train": {"optimizer": kind}})
+
+    saved_model, saved_optimizer = trained(saved_kind)
+    rng, rng_json = store.rng_state()
+    loaded = store.Loaded(None, {"rng": rng_json}, store.trainable_weights(saved_model),
+                          saved_optimizer.state_dict(), rng, to_yaml(config(saved_kind)))
+    model = _model()
+    optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), "adafactor")
+    state = RunState(config("adafactor"), SimpleNamespace(policy=model),
+                     SimpleNamespace(optimizer=optimizer), *[None] * 7)
+    monkeypatch.setattr(RunState, "load_state_dict", lambda self, state: None)
+    state.restore(loaded)
+    assert torch.equal(model[1].weight, saved_model[1].weight)  # the weights, either way
+    if saved_kind == "adafactor":
+        assert optimizer.state_dict()["state"][0]["step"] == 1
+    else:
+        assert optimizer.state_dict()["state"] == {}
+        assert "train.optimizer changed from adamw to adafactor: its state starts empty" \
+            in caplog.text
