@@ -424,9 +424,9 @@ class TrainConfig(Section):
     gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step; gradients are summed, never overwritten."""
     learning_rate: float = Field(1e-5, gt=0)
-    """Peak AdamW learning rate."""
+    """Peak learning rate (of whichever `optimizer`)."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """Decoupled weight decay (of whichever `optimizer`)."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas (the 8-bit AdamWs too; Adafactor keeps no first moment)."""
     optimizer: OptimizerName = "adamw"
