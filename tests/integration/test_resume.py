@@ -354,3 +354,23 @@ def test_bf16_mixed_full_finetune_resumes_bit_identically(tmp_path, tiny_model):
     a = load_file(tmp_path / "whole" / "final" / "model" / "model.safetensors")
     b = load_file(tmp_path / "cut" / "final" / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_adafactor_run_resumes_bit_identically(tmp_path, tiny_model):
+    """`train.optimizer: adafactor` end to end (SFT warm-up and GRPO): its factored state is
+    in the checkpoint, so the resumed run equals the whole one (~45 s a run on 2 busy cores)."""
+    def adafactor(name: str) -> Path:
+        return write_config(tmp_path / f"{name}.yaml", tiny_model, tmp_path / name, 4,
+                            train={"optimizer": "adafactor"})
+
+    assert train_in_subprocess(adafactor("whole")) == 0
+    cut = adafactor("cut")
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
+    assert {m["policy/update_norm"] > 0 for m in metric_lines(tmp_path / "whole")} == {True}
+    state = torch.load(next((tmp_path / "cut" / "checkpoints").glob("step-*")) / "optimizer.pt",
+                       weights_only=True)["state"]
+    assert any("exp_avg_sq_row" in s for s in state.values())  # Adafactor's, factored

@@ -130,6 +130,7 @@ def test_every_setting_several_processes_cannot_run_is_listed_at_once():
         check_processes(config, 3)
     text = str(err.value)
     assert text.startswith("invalid config for 3 processes:")
-    for part in ("cannot shard 4-bit weights", "2 prompts per step do not split over 3 processes"):
+    for part in ("cannot shard quantised weights (model.load_in_4bit)",
+                 "2 prompts per step do not split over 3 processes"):
         assert part in text
     assert check_processes(config, 1) == "none"  # one process: nothing to refuse

@@ -13,7 +13,6 @@ from transformers import LlamaConfig
 
 from mogrpo.config import load_config
 from mogrpo.config import machine as machine_checks
-from mogrpo.config.precision import FOUR_BIT_NEEDS_LORA
 from mogrpo.errors import ConfigError
 
 TASKS = {"t": {"data": "builtin:bias_probe", "rewards": ["mc_correct"]}}
@@ -34,7 +33,8 @@ def load(model: Path, *overrides: str, machine: bool = False):
 def test_4bit_weights_need_lora_cuda_and_bitsandbytes_and_flash_attention_its_package(small, monkeypatch):
     with pytest.raises(ConfigError) as err:
         load(small, "model.load_in_4bit=true")  # whatever the machine
-    assert str(err.value) == f"invalid config:\n  {FOUR_BIT_NEEDS_LORA}"
+    assert str(err.value) == ("invalid config:\n  model.load_in_4bit trains nothing without LoRA "
+                              "(quantised weights are frozen); set lora.enabled: true")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
         "bitsandbytes", "flash_attn") else find_spec(name, *a))
@@ -43,10 +43,10 @@ def test_4bit_weights_need_lora_cuda_and_bitsandbytes_and_flash_attention_its_pa
     with pytest.raises(ConfigError) as err:
         load_config(None, [], environ={}, base=lora_4bit)
     assert str(err.value) == (
-        "invalid config:\n  model.load_in_4bit is set but 4-bit loading needs a CUDA GPU and "
-        "`pip install mogrpo[gpu]` (bitsandbytes), and here bitsandbytes is not installed; on "
-        "this machine set model.load_in_4bit: false")
-    with pytest.raises(ConfigError, match=r"4-bit loading .* and here device = cpu; "):
+        "invalid config:\n  model.load_in_4bit = true needs a CUDA GPU and bitsandbytes (`pip "
+        "install 'mogrpo[gpu]'`), but bitsandbytes is not installed; on this machine set "
+        "model.load_in_4bit: false")
+    with pytest.raises(ConfigError, match=r"load_in_4bit = true needs .*, but device is cpu; "):
         load_config(None, ["device=cpu"], environ={}, base=lora_4bit)
     load_config(None, [], environ={}, base=lora_4bit, machine=False)  # `mogrpo memory`
     with pytest.raises(ConfigError) as err:

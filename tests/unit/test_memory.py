@@ -123,11 +123,33 @@ def test_llama_8b_4bit_weights_include_quantisation_constants():
     est = estimate(LLAMA_8B, users_run(model__load_in_4bit=True))
     # NF4 with double quantisation per 64-weight block: 32 B of 4-bit codes + 1 B absmax, and
     # 4 B per 256 blocks: 6,979,321,856 / 64 = 109,051,904 blocks →
-    # 3,489,660,928 + 109,051,904 + 425,984·4 = 3,600,416,768 B. The other 1,050,939,392
-    # parameters (embeddings, head, norms) are fp32 after prepare_model_for_kbit_training.
-    assert est["weights"] == 3_600_416_768 + 1_050_939_392 * 4
-    # ... which also makes the residual stream fp32: 4 B per KV element
+    # 3,489,660,928 + 109,051,904 + 425,984·4 = 3,600,416,768 B. Of the other 1,050,939,392
+    # parameters the 65 norms (65·4096 = 266,240) are cast to fp32; the embedding and the head
+    # (2 · 128256 · 4096 = 1,050,673,152) stay bf16, unlike peft's cast (4.2 GB instead of 2.1).
+    assert est["weights"] == 3_600_416_768 + 266_240 * 4 + 1_050_673_152 * 2 == 5_702_828_032
+    # fp32 norms make the residual stream fp32: 4 B per KV element
     assert est["kv_cache"] == 2 * 32 * 1024 * 4 * 640 * 16
+    assert "(4-bit base)" in est.title
+
+
+def test_llama_8b_8bit_weights_are_a_byte_and_a_row_scale():
+    est = estimate(LLAMA_8B, users_run(model__load_in_8bit=True))
+    # int8 codes, 1 B per linear weight, and an fp32 scale per output row: per layer
+    # q 4096 + k 1024 + v 1024 + o 4096 + gate, up 14336 each + down 4096 = 43,008 rows,
+    # × 32 = 1,376,256 → 6,979,321,856 + 5,505,024; norms fp32, embedding and head bf16
+    assert est["weights"] == 6_979_321_856 + 1_376_256 * 4 + 266_240 * 4 + 1_050_673_152 * 2
+    assert est["weights"] == 9_087_238_144
+    assert est["kv_cache"] == 2 * 32 * 1024 * 4 * 640 * 16 and "(8-bit base)" in est.title
+    with pytest.raises(ConfigError, match="load_in_4bit and model.load_in_8bit are both set"):
+        estimate(LLAMA_8B, users_run(model__load_in_8bit=True, model__load_in_4bit=True))
+
+
+def test_a_quantised_base_under_pure_bf16_casts_nothing_up():
+    est = estimate(LLAMA_8B, users_run(model__load_in_4bit=True, model__precision="bf16"))
+    # no autocast: fp32 norms would meet the bf16 head, so every 16-bit weight stays 2 B and
+    # the residual stream, and with it the KV cache, bf16
+    assert est["weights"] == 3_600_416_768 + 1_050_939_392 * 2
+    assert est["kv_cache"] == 2 * 32 * 1024 * 2 * 640 * 16
 
 
 def test_qwen_full_fine_tuning_terms():
@@ -144,7 +166,7 @@ def test_qwen_full_fine_tuning_terms():
     assert est["activations"] == 4096 * 28 * 103_424 + 44_064_768
     assert est["logits"] == 8 * 151_936 * (2 * 257 + 4 * 256)
     assert est["kv_cache"] == 2 * 28 * 256 * 2 * 512 * 8  # 2 KV heads: 28 KiB per token
-    assert est["adamw_step"] == n * 2
+    assert est["optimizer_step"] == n * 2
 
 
 def test_bf16_mixed_full_fine_tuning_terms():
@@ -156,7 +178,7 @@ def test_bf16_mixed_full_fine_tuning_terms():
     for mixed in (estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen",
                                                            "dtype": "bfloat16"})),
                   estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen"}))):
-        assert mixed["weights"] == mixed["gradients"] == mixed["adamw_step"] == n * 4
+        assert mixed["weights"] == mixed["gradients"] == mixed["optimizer_step"] == n * 4
         assert mixed["optimizer"] == n * 8
         assert mixed["reference"] == n * 2
         matmuls = Architecture.from_config(QWEN_1_5B).linear_params() + 151_936 * 1536

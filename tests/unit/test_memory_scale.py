@@ -88,7 +88,7 @@ def test_ddp_replicates_the_model_and_splits_the_step(nproc):
 def test_fsdp_shards_state_and_adds_what_it_gathers():
     two = estimate(LLAMA_1B, run_1b(distributed={"strategy": "fsdp"}), nproc=2)
     assert two["weights"] == two["gradients"] == two["reference"] == N * 2  # 4 B / 2
-    assert two["optimizer"] == N * 4 and two["adamw_step"] == N * 2
+    assert two["optimizer"] == N * 4 and two["optimizer_step"] == N * 2
     assert "ddp_buckets" not in [t.key for t in two.terms]
     # training: the root (263 M) stays gathered, plus the running and the prefetched block,
     # fp32; in backward the root's and one block's unsharded gradients

@@ -102,7 +102,7 @@ def test_unreachable_hub_id_explains_fix(monkeypatch):
 
 def test_4bit_on_cpu_is_refused_before_loading(tiny_model_dir):
     with pytest.raises(
-        ModelError, match=r"4-bit loading needs a CUDA GPU and `pip install mogrpo\[gpu\]`"
+        ModelError, match=r"4-bit loading needs a CUDA GPU and `pip install 'mogrpo\[gpu\]'`"
     ):
         load_policy(str(tiny_model_dir), load_in_4bit=True)
 

@@ -18,9 +18,10 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mogrpo.config.hardware import quantized_field, small_gpu_errors
 from mogrpo.config.machine import machine_errors
 from mogrpo.config.model_limits import model_errors
-from mogrpo.config.precision import FOUR_BIT_NEEDS_LORA, dtype_conflict
+from mogrpo.config.precision import dtype_conflict
 from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
 from mogrpo.errors import ConfigError
 
@@ -233,6 +234,7 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
                 f"tasks.{name}.rewards is empty: add a reward, e.g. `rewards: [mc_correct]`"
             )
     errors.extend(_task_control_errors(config))
+    errors.extend(small_gpu_errors(config, machine))
     if ro.engine == "vllm":
         errors.extend(_vllm_errors(config, machine))
     if ro.num_generations < 2:
@@ -254,8 +256,6 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
         found, notes = model_errors(config)  # reads config.json: no weights, no torch
         errors.extend(found)
         config.limit_notes.update(notes)
-    if config.model.load_in_4bit and not config.lora.enabled:
-        errors.append(FOUR_BIT_NEEDS_LORA)
     if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:
         errors.append(
             "algorithm.kl_importance_weight = detached has no effect with "
@@ -314,9 +314,10 @@ def _vllm_errors(config: RunConfig, machine: bool = True) -> list[str]:
         if not low <= value <= high:
             errors.append(f"rollout.{name} = {value} is outside vLLM's range [{low}, {high}]; "
                           "bring it inside or use rollout.engine: auto")
-    if config.model.load_in_4bit:
-        errors.append("rollout.engine = vllm cannot follow a 4-bit policy (its weight push needs "
-                      "unquantised weights); set model.load_in_4bit: false or use engine: auto")
+    quantized = quantized_field(config.model)
+    if quantized:
+        errors.append(f"rollout.engine = vllm cannot follow a quantised policy (its weight push "
+                      f"needs unquantised weights); set {quantized}: false or use engine: auto")
     if config.rollout.vllm.server_url is not None:
         return errors  # vLLM and its GPU are the server's; the trainer only talks to it
     if config.device == "cpu":

@@ -1,5 +1,6 @@
 """What a run asks of this machine: a CUDA GPU where `device: cuda` says so, bfloat16 where the
-precision asks for it, bitsandbytes and CUDA for 4-bit weights, flash-attention's package.
+precision asks for it, flash-attention's package (bitsandbytes and CUDA for quantised weights
+and 8-bit optimizers: `mogrpo.config.hardware`).
 
 Checked by `validate` (`machine=True`) before any data or model loads, and again by the
 loaders for callers of the Python functions. torch is imported only when a check needs it (a
@@ -23,20 +24,10 @@ def cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def accelerator_problems(load_in_4bit: bool, attn_implementation: str | None,
-                         device: str = "auto") -> list[str]:
-    """4-bit weights without CUDA or bitsandbytes, a flash-attention kernel without CUDA or its
-    package; `device` the run's (`cpu` rules CUDA out without asking torch)."""
+def accelerator_problems(attn_implementation: str | None, device: str = "auto") -> list[str]:
+    """A flash-attention kernel without CUDA or its package; `device` the run's (`cpu` rules
+    CUDA out without asking torch). (4-bit and 8-bit weights: `mogrpo.config.hardware`.)"""
     problems = []
-    if load_in_4bit:
-        reason = "device = cpu" if device == "cpu" else \
-            "bitsandbytes is not installed" if importlib.util.find_spec("bitsandbytes") is None \
-            else None if cuda_visible() else "no CUDA GPU is visible"
-        if reason is not None:
-            problems.append(
-                "model.load_in_4bit is set but 4-bit loading needs a CUDA GPU and `pip install "
-                f"mogrpo[gpu]` (bitsandbytes), and here {reason}; on this machine set "
-                "model.load_in_4bit: false")
     package = FLASH_PACKAGES.get(attn_implementation or "")
     if package and (device == "cpu" or importlib.util.find_spec(package) is None
                     or not cuda_visible()):
@@ -58,7 +49,8 @@ def machine_errors(config: RunConfig) -> list[str]:
     mc = config.model
     if config.device == "cuda" and not cuda_visible():
         return [NO_CUDA]
-    errors = accelerator_problems(mc.load_in_4bit, mc.attn_implementation, config.device)
+    # 4-bit and 8-bit weights: `mogrpo.config.hardware.small_gpu_errors` (one message each)
+    errors = accelerator_problems(mc.attn_implementation, config.device)
     # only an explicit bfloat16 can fail: `auto` falls back to fp16-mixed on such a GPU
     precision = resolve_precision(mc.precision, mc.dtype, "cuda", bf16_supported=False)
     if config.device != "cpu" and "bf16" in precision and cuda_visible():

@@ -58,6 +58,3 @@ FSDP_FP16 = ("model.precision = fp16-mixed with distributed.strategy = fsdp: the
              "do; use bf16-mixed (a GPU with bfloat16) or distributed.strategy: ddp")
 """Why fp16-mixed cannot train over FSDP2 shards (`check_processes`, and the run once `auto`
 is resolved on its GPU)."""
-FOUR_BIT_NEEDS_LORA = ("model.load_in_4bit trains nothing without LoRA (4-bit weights are "
-                       "frozen); set lora.enabled: true")
-"""Why a 4-bit base needs adapters (`validate`, and the memory planner called on its own)."""

@@ -5,6 +5,7 @@ a second."""
 
 from __future__ import annotations
 
+from mogrpo.config.hardware import process_errors
 from mogrpo.config.precision import FSDP_FP16, resolve_precision
 from mogrpo.config.sections import DistributedConfig, RunConfig
 from mogrpo.errors import ConfigError
@@ -31,6 +32,9 @@ def check_processes(config: RunConfig, nproc: int) -> str:
     if nproc < 1:
         strategy_for(config.distributed, nproc)  # raises
     if nproc == 1:
+        problems = process_errors(config, "none")
+        if problems:
+            raise ConfigError(problems[0])
         return "none"
     problems = []
     if config.prompts_per_step % nproc:
@@ -42,9 +46,7 @@ def check_processes(config: RunConfig, nproc: int) -> str:
     except ConfigError as err:
         problems.append(str(err))
         strategy = None
-    if strategy == "fsdp" and config.model.load_in_4bit:
-        problems.append("distributed.strategy: fsdp cannot shard 4-bit weights "
-                        "(model.load_in_4bit); use distributed.strategy: ddp")
+    problems += process_errors(config, strategy or "")
     mc = config.model
     if strategy == "fsdp" and resolve_precision(mc.precision, mc.dtype, "cuda") == "fp16-mixed":
         problems.append(FSDP_FP16)

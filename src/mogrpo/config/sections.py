@@ -23,6 +23,7 @@ from mogrpo.algo.choices import (
     LossType,
 )
 from mogrpo.config.base import Section
+from mogrpo.config.hardware import OptimizerName
 from mogrpo.config.precision import Precision
 from mogrpo.health.config import HealthConfig
 from mogrpo.tasks.curriculum import CurriculumConfig
@@ -52,7 +53,16 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
     load_in_4bit: bool = False
-    """Load weights in 4-bit NF4 via bitsandbytes (CUDA only; `pip install mogrpo[gpu]`)."""
+    """Load the linear weights in 4-bit NF4 (QLoRA; needs lora.enabled, a CUDA GPU and `pip
+    install 'mogrpo[gpu]'`). Under a mixed precision the 1-D weights (norms, biases) are cast to
+    float32, as QLoRA trained: HF's RMSNorm returns its weight's dtype, so the residual stream
+    then sums in float32 (the norms take their statistics in float32 whatever the weight's
+    dtype). The embedding and head keep the compute dtype, unlike peft's preparation: a
+    float32 copy of their 16-bit values adds 2 B a parameter (2.1 GB on Llama-3-8B) and no
+    information, and autocast computes the head in the compute dtype anyway."""
+    load_in_8bit: bool = False
+    """Load the linear weights in 8-bit (LLM.int8(), Dettmers et al. 2022): twice 4-bit's
+    memory, closer to the 16-bit base; as `load_in_4bit` otherwise, and exclusive with it."""
     use_chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
     disable_dropout: bool = True
@@ -415,11 +425,18 @@ class TrainConfig(Section):
     gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step; gradients are summed, never overwritten."""
     learning_rate: float = Field(1e-5, gt=0)
-    """Peak AdamW learning rate."""
+    """Peak learning rate (of whichever `optimizer`)."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """Decoupled weight decay (of whichever `optimizer`)."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    """AdamW betas (the 8-bit AdamWs too; Adafactor keeps no first moment)."""
+    optimizer: OptimizerName = "adamw"
+    """`adamw` (torch's, fused: m and v in the trained weights' dtype, 8 B a float32 parameter);
+    `adamw_8bit` (bitsandbytes' block-wise 8-bit m and v, Dettmers et al. 2022: ~2 B a
+    parameter; CUDA, `pip install 'mogrpo[gpu]'`); `paged_adamw_8bit` (the same in CUDA managed
+    memory, which pages to host memory when the GPU runs short instead of failing); `adafactor`
+    (transformers', Shazeer & Stern 2018: a matrix keeps one value per row and per column, no
+    first moment; at train.learning_rate, no relative step). Also the SFT warm-up's."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
     warmup_steps: int = Field(0, ge=0)
@@ -517,6 +534,10 @@ class DistributedConfig(Section):
     reshard_after_forward: bool = True
     """`fsdp` only: free the gathered parameters after each layer's forward (less memory, one
     more all-gather in backward); false keeps them until the backward (faster, more memory)."""
+    cpu_offload: bool = False
+    """`fsdp` only (CUDA): keep the parameter shards, their gradients and AdamW's state in host
+    memory (FSDP2's CPUOffloadPolicy): layers are copied to the GPU as they run, the optimizer
+    steps on the CPU. Slower steps; PyTorch offers no such offload without FSDP2."""
 
 
 class RunConfig(Section):

@@ -1,8 +1,9 @@
 """Peak GPU memory of a GRPO run, estimated from the model's config alone (no weights).
 
-Peak = what is always resident (weights, adapters, gradients, AdamW states, reference copy, CUDA
-context) + the largest of three phases that never overlap: generation (KV cache, prefill),
-training (one micro-batch's activations and logits) and the AdamW step's temporaries.
+Peak = what is always resident (weights, adapters, gradients, optimizer states, reference copy,
+CUDA context) + the largest of three phases that never overlap: generation (KV cache, prefill),
+training (one micro-batch's activations and logits) and the optimizer step's temporaries. The
+optimizer's figures, per `train.optimizer`, are `mogrpo.memory.optimizer`'s.
 
 The model's shape comes from its own module tree, built on the meta device
 (`mogrpo.modeling.architecture`): parameters counted exactly, every linear layer with its
@@ -59,9 +60,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mogrpo.config import RunConfig, derive_lengths
-from mogrpo.config.precision import FOUR_BIT_NEEDS_LORA, MASTER_BYTES, resolve_precision
+from mogrpo.config.hardware import quantization_errors, quantized_field
+from mogrpo.config.precision import MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
+from mogrpo.memory.optimizer import Trained, state_bytes, step_bytes
+from mogrpo.memory.optimizer import describe as describe_optimizer
 
 if TYPE_CHECKING:  # the module tree is built with torch: imported when an estimate is made
     from mogrpo.modeling.architecture import Architecture, LinearLayer
@@ -215,7 +219,8 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     `model_config`: an `Architecture`, a transformers config or a config.json dict (its module
     tree is built on the meta device once and cached). The dtypes are `model.precision`'s
     (`auto`: bf16-mixed on CUDA, assumed to have bfloat16; fp32 on CPU). The optimizer is
-    mogrpo's: torch AdamW, m and v in the trained weights' (master) dtype.
+    `train.optimizer` (`mogrpo.memory.optimizer`): torch AdamW by default, m and v in the
+    trained weights' (master) dtype.
     `reward_models` maps each `fn: reward_model` reward (`tasks.NAME.rewards.I`) to its
     config (see :func:`reward_model_configs`); one left out is not counted, and said so.
     Several processes split the step's completions (each generates and trains on its share);
@@ -228,8 +233,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     shape = model_config if isinstance(model_config, Architecture) else Architecture.from_config(
         model_config, trust_remote_code=run.model.trust_remote_code)
     mc, lc = run.model, run.lora
-    if mc.load_in_4bit and not lc.enabled:
-        raise ConfigError(FOUR_BIT_NEEDS_LORA)
+    quantized = _quantized(run)
     precision = resolve_precision(mc.precision, mc.dtype, device)
     compute = 4 if precision == "fp32" else 2
     # resident weights: trained ones in the master dtype, a frozen LoRA base in the compute one
@@ -240,9 +244,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     # what FSDP2 gathers: bf16 under its mixed precision, else the weights as kept
     fsdp_bf16 = strategy == "fsdp" and run.distributed.mixed_precision == "bf16"
     c = 2 if fsdp_bf16 else w
-    # prepare_model_for_kbit_training casts every non-4-bit weight to fp32, so the residual
-    # stream, the activations and the KV cache of a 4-bit model are fp32.
-    p = 4 if mc.load_in_4bit else 2 if fsdp_bf16 else compute
+    # a quantised base's norms are fp32 under mixed precision (mogrpo.modeling.quantize), so its
+    # residual stream, activations and KV cache are fp32; under pure bf16 nothing is upcast
+    p = MASTER_BYTES[precision] if quantized else 2 if fsdp_bf16 else compute
     layout = Layout(strategy, nproc, run.train.micro_batch_size,
                     run.train.micro_batch_size * run.train.gradient_accumulation_steps)
     terms = (_resident_terms(shape, run, precision, device, layout)
@@ -265,7 +269,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
         f" per process ({strategy}, {nproc} process{'es' if nproc > 1 else ''})")
     title = (f"memory estimate{where}: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
              f"{precision}, {w} B weights"
-             f"{' (4-bit base)' if mc.load_in_4bit else ''}, "
+             f"{f' ({quantized[-4]}-bit base)' if quantized else ''}, "
              f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
              f"{layout.micro_batch} × ({prompt} prompt + {completion} completion) tokens")
     eager = (mc.attn_implementation or shape.attention) == "eager"
@@ -274,8 +278,8 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
                                               if not mc.attn_implementation else "")
         if eager else "fused SDPA/flash attention (no s×s scores kept)",
         f"model.precision {precision}: " + (
-            "bfloat16 weights and AdamW m, v (updates below ~0.4 % of a weight are lost)"
-            if precision == "bf16" else "float32 trained weights and AdamW m, v"
+            "bfloat16 weights (updates below ~0.4 % of a weight are lost)"
+            if precision == "bf16" else "float32 trained weights"
             + (f", matmuls and activations in {'bf' if 'bf' in precision else 'fp'}16 under "
                "autocast" if precision.endswith("-mixed") else "")),
         "gradients held in training from the 1st micro-batch on (they exist from its backward; "
@@ -292,6 +296,15 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     return MemoryEstimate(terms, activations, title, assumptions)
 
 
+def _quantized(run: RunConfig) -> str | None:
+    """`model.load_in_4bit` / `load_in_8bit` where one is set; a ConfigError where it cannot
+    train (both set, or no LoRA)."""
+    problems = quantization_errors(run.model, run.lora.enabled)
+    if problems:
+        raise ConfigError(problems[0])
+    return quantized_field(run.model)
+
+
 def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note: str,
          also: tuple[str, ...] = ()) -> None:
     terms.append(Term(key, label, int(math.ceil(value)), phase, note, also))
@@ -299,53 +312,85 @@ def _add(terms: list[Term], key: str, label: str, value: float, phase: str, note
 
 def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device: str,
                     layout: Layout) -> list[Term]:
-    """Weights, adapters, gradients, AdamW states, reference, CUDA context; under fsdp each
+    """Weights, adapters, gradients, optimizer states, reference, CUDA context; under fsdp each
     process holds 1/N of all but the context (FSDP2 pads a parameter's first dimension to a
-    multiple of N: a few KiB more, not counted)."""
-    mc, lc = run.model, run.lora
-    n_all, n_lin = shape.params, shape.linear_params()
+    multiple of N: a few KiB more, not counted), and with `distributed.cpu_offload` none of
+    them on the GPU (they are in host memory, with the optimizer step)."""
+    lc = run.lora
+    n_all = shape.params
     modules = lora_modules(shape, lc.target_modules) if lc.enabled else []
     n_lora = sum(lc.r * (m.in_features + m.out_features) for m in modules)
     master, compute = MASTER_BYTES[precision], 4 if precision == "fp32" else 2
-    w = compute if lc.enabled else master  # a frozen base in the compute dtype
     a_bytes = ADAPTER_BYTES if master == 4 else master
     trainable, t_bytes = (n_lora, a_bytes) if lc.enabled else (n_all, master)
+    trained = Trained.of(shape, modules if lc.enabled else None, lc.r)
     n = layout.shard
+    host = layout.strategy == "fsdp" and run.distributed.cpu_offload
+    on_gpu = 0 if host else 1 / n
     per = f" / {n} (shard)" if n > 1 else ""
+    per += "; in host memory (distributed.cpu_offload)" if host else ""
+    weights, how = _weight_bytes(shape, run, precision)
     terms: list[Term] = []
-    if mc.load_in_4bit:
-        _add(terms, "weights", "weights (4-bit NF4)",
-             (n_lin * NF4_BYTES + (n_all - n_lin) * 4) / n,
-             "always", f"{n_lin / 1e9:.2f} B linear weights × {NF4_BYTES:.3f} B + "
-             f"{(n_all - n_lin) / 1e9:.2f} B others × 4 B (fp32){per}")
-    else:
-        _add(terms, "weights", "weights", n_all * w / n, "always",
-             f"{n_all / 1e9:.2f} B × {w} B{per}")
+    _add(terms, "weights", _weight_label(run), weights * on_gpu, "always", how + per)
     if lc.enabled:
-        _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * a_bytes / n, "always",
+        _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * a_bytes * on_gpu, "always",
              f"{n_lora / 1e6:.1f} M × {a_bytes} B, {len(modules)} modules "
              f"({', '.join(sorted({m.leaf for m in modules}))}){per}")
     # held from the first backward to the optimizer step; the trainer frees them before the
     # next rollout (and after the SFT warm-up)
-    _add(terms, "gradients", "gradients", trainable * t_bytes / n, "training",
+    _add(terms, "gradients", "gradients", trainable * t_bytes * on_gpu, "training",
          f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; also in the optimizer step "
          "and SFT, freed before generation", also=("optimizer step", "SFT warm-up"))
     if layout.strategy == "ddp":
         _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
              "gradients copied into buckets for the all-reduce")
-    _add(terms, "optimizer", "AdamW states", trainable * 2 * t_bytes / n, "always",
-         f"m, v × {t_bytes} B" + per)
+    kind = run.train.optimizer
+    label, state_how = describe_optimizer(kind, t_bytes)
+    _add(terms, "optimizer", label, state_bytes(kind, trained, t_bytes) * on_gpu, "always",
+         state_how + per)
     kl = not run.tasks or any(t.beta > 0 for t in run.tasks.values())
-    _add(terms, "reference", "reference model", n_all * compute / n if kl and not lc.enabled
-         else 0, "always", "every task β = 0: none" if not kl else
+    _add(terms, "reference", "reference model", n_all * compute * on_gpu
+         if kl and not lc.enabled else 0, "always", "every task β = 0: none" if not kl else
          "LoRA: the base with adapters off" if lc.enabled else
          f"a frozen full copy in the compute dtype ({compute} B)" + per)
     _add(terms, "overhead", "CUDA context + allocator", CUDA_OVERHEAD if device == "cuda" else 0,
          "always", "fixed" if device == "cuda" else "none on CPU")
-    # foreach AdamW holds one sqrt(v)-sized buffer while it steps (an own phase: no activations)
-    _add(terms, "adamw_step", "AdamW step temporaries", trainable * t_bytes / n,
-         "optimizer step", "foreach AdamW's sqrt(v) buffer" + per)
+    # what the step allocates on top of the states (an own phase: no activations)
+    _add(terms, "optimizer_step", "optimizer step temporaries",
+         step_bytes(kind, trained, t_bytes) * on_gpu, "optimizer step", {
+             "adamw": "foreach AdamW's sqrt(v) buffer",
+             "adafactor": "fp32 grad² and its estimate, of the largest matrix"}.get(
+                 kind, "none: bitsandbytes steps in place") + per)
     return terms
+
+
+def _weight_label(run: RunConfig) -> str:
+    quantized = quantized_field(run.model)
+    return "weights" if not quantized else (
+        "weights (4-bit NF4)" if quantized.endswith("4bit") else "weights (8-bit)")
+
+
+def _weight_bytes(shape: Architecture, run: RunConfig, precision: str) -> tuple[int, str]:
+    """Bytes of every weight (trained in the master dtype, a frozen LoRA base in the compute
+    one), and how. A quantised base: its linear weights in 4 or 8 bits, its 1-D weights in
+    the master dtype (fp32 but under pure bf16: `mogrpo.modeling.quantize`), the embedding and
+    head in the compute dtype."""
+    n_all, n_lin = shape.params, shape.linear_params()
+    master, compute = MASTER_BYTES[precision], 4 if precision == "fp32" else 2
+    quantized = quantized_field(run.model)
+    if not quantized:
+        w = compute if run.lora.enabled else master
+        return n_all * w, f"{n_all / 1e9:.2f} B × {w} B"
+    n_emb = shape.embedding_params()
+    n_vec = n_all - n_lin - n_emb
+    if quantized.endswith("4bit"):
+        lin, each = n_lin * NF4_BYTES, f"× {NF4_BYTES:.3f} B"
+    else:  # int8 codes and an fp32 scale per output row (LLM.int8()'s SCB)
+        rows = sum(lin.out_features for lin in shape.modules.linears)
+        lin, each = n_lin + 4 * rows, f"× 1 B + {rows:,} row scales × 4 B"
+    return (int(math.ceil(lin)) + n_vec * master + n_emb * compute,
+            f"{n_lin / 1e9:.2f} B linear weights {each} + {n_emb / 1e9:.2f} B embedding/head "
+            f"× {compute} B + {n_vec / 1e6:.2f} M norms, biases × {master} B")
 
 
 def _fsdp_terms(shape: Architecture, run: RunConfig, c: int) -> list[Term]:

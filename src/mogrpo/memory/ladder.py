@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.config.hardware import process_errors
 from mogrpo.config.precision import resolve_precision
+from mogrpo.config.processes import strategy_for
 from mogrpo.memory.estimate import MemoryEstimate, with_changes
 
 
@@ -145,6 +147,8 @@ def _sft_batch(run: RunConfig, nproc: int) -> Rung:
 def _shard(run: RunConfig, nproc: int) -> Rung:
     """FSDP2 over the processes already launched (with one it would shard nothing)."""
     options: list[dict[str, Any]] = []
+    if process_errors(run, "fsdp"):  # quantised weights, an optimizer other than adamw
+        return ("shard with FSDP2", [], FSDP_COST)
     if nproc > 1 and run.distributed.strategy != "fsdp":
         options.append({"distributed.strategy": "fsdp"})
     mc = run.model
@@ -157,6 +161,15 @@ def _shard(run: RunConfig, nproc: int) -> Rung:
     return ("shard with FSDP2", options, "none in quality" + (
         " (mixed_precision bf16: bf16 matmuls, gradients reduced in fp32)" if mixed else "")
         + f"; {FSDP_COST}")
+
+
+def _eight_bit_optimizer(run: RunConfig, nproc: int) -> Rung:
+    """Full fine-tuning: AdamW's m and v in 8 bits (2 B a parameter instead of 8)."""
+    ok = not run.lora.enabled and run.train.optimizer == "adamw" and \
+        strategy_for(run.distributed, nproc) != "fsdp"
+    return ("8-bit AdamW states", [{"train.optimizer": "adamw_8bit"}] if ok else [],
+            "little in quality (block-wise 8-bit states matched 32-bit Adam in Dettmers et al. "
+            "2022); needs CUDA and bitsandbytes, and not with distributed.strategy: fsdp")
 
 
 def _pure_bf16(run: RunConfig, nproc: int) -> Rung:
@@ -172,7 +185,7 @@ def _pure_bf16(run: RunConfig, nproc: int) -> Rung:
 
 RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
     _micro_batch, _checkpointing, _vllm_sleep, _vllm_share, _shard, _sft_batch, _four_bit,
-    _completions, _fewer_generations, _lower_rank, _pure_bf16)
+    _completions, _fewer_generations, _lower_rank, _eight_bit_optimizer, _pure_bf16)
 """Quality-neutral changes first (they cost only speed), then those that cost quality; pure
 bf16, which can stop a run from learning at all, last."""
 
@@ -240,7 +253,8 @@ def scale_out(estimate_fn: EstimateFn, run: RunConfig, gpu_bytes: int, nproc: in
     counts = [n for n in range(nproc + 1, max_nproc + 1) if run.prompts_per_step % n == 0]
     for n in counts:
         for extra in variants:
-            for strategy, cost in (("ddp", DDP_COST), ("fsdp", FSDP_COST)):
+            for strategy, cost in (("ddp", DDP_COST), ("fsdp", FSDP_COST))[
+                    :1 if process_errors(run, "fsdp") else 2]:
                 changes = {"distributed.strategy": strategy, **extra}
                 total = estimate_fn(with_changes(run, changes), n).total
                 if total <= gpu_bytes:

@@ -148,6 +148,13 @@ class Architecture:
         """Weights of every linear layer but the head (what 4-bit loading quantises)."""
         return sum(lin.in_features * lin.out_features for lin in self.modules.linears)
 
+    def embedding_params(self) -> int:
+        """Weights of the embedding tables and of an untied head (the matrices besides the
+        linear layers); the rest of `params` are 1-D: norms and biases."""
+        head = self.modules.head
+        untied = head.in_features * head.out_features if head and not self.tied else 0
+        return untied + sum(e.in_features * e.out_features for e in self.modules.embeddings)
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | Any, *,
                     trust_remote_code: bool = False) -> Architecture:

@@ -26,6 +26,12 @@ from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
 from mogrpo.modeling.dropout import original_dropout_config
 from mogrpo.modeling.lora_dropout import use_fast_dropout
 from mogrpo.modeling.lora_linear import use_fused_lora
+from mogrpo.modeling.quantize import (
+    check_bitsandbytes,
+    is_quantized,
+    prepare_quantized,
+    quantization_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +97,11 @@ def _unreachable(name_or_path: str, what: str, err: Exception) -> ModelError:
     )
 
 
-def _check_accelerators(load_in_4bit: bool, attn_implementation: str | None) -> None:
-    problems = accelerator_problems(load_in_4bit, attn_implementation)
+def _check_accelerators(quantized: str | None, attn_implementation: str | None) -> None:
+    if quantized:
+        check_bitsandbytes(quantized)
+    # (4-bit and 8-bit weights: bitsandbytes' own check above, with its message)
+    problems = accelerator_problems(attn_implementation)
     if problems:
         raise ModelError(problems[0])
 
@@ -139,21 +148,27 @@ def load_policy(
     trust_remote_code: bool = False,
     lora: LoraSettings | None = None,
     load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
     tokenizer_name_or_path: str | None = None,
     disable_dropout: bool = True,
     device: torch.device | None = None,
     adapter_dtype: torch.dtype = torch.float32,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM (optionally 4-bit, with LoRA) and its tokenizer from a directory or hub id.
+    """Load a causal LM (optionally 4- or 8-bit, with LoRA) and its tokenizer from a directory or
+    hub id.
 
     `disable_dropout` sets the model's own dropout to 0 (see `mogrpo.modeling.dropout`; LoRA's
     dropout is kept); a wrong `lora.target_modules` is reported before the weights load.
     `device` a CUDA device: the weights load straight onto it, never whole in host memory
     (otherwise they load on the CPU, where the caller moves them). `dtype` is that of every
-    weight as loaded (a 4-bit base's compute dtype); LoRA adapters are `adapter_dtype`.
+    weight as loaded (a quantised base's compute dtype); LoRA adapters are `adapter_dtype`,
+    and a quantised base's 1-D weights too when that is float32 (`prepare_quantized`).
     """
     torch_dtype = resolve_dtype(dtype)
-    _check_accelerators(load_in_4bit, attn_implementation)
+    if load_in_4bit and load_in_8bit:
+        raise ConfigError("model.load_in_4bit and model.load_in_8bit are both set; keep one")
+    bits = 4 if load_in_4bit else 8 if load_in_8bit else None
+    _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation)
     _check_source(name_or_path, "model")
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -176,15 +191,8 @@ def load_policy(
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    if load_in_4bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch_dtype,
-        )
+    if bits:
+        kwargs["quantization_config"] = quantization_config(bits, torch_dtype)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     elif device is not None and device.type == "cuda":
         kwargs["device_map"] = {"": torch.cuda.current_device() if device.index is None
@@ -198,16 +206,11 @@ def load_policy(
     if disable_dropout:
         _log_dropout(switch_off_dropout(model), lora)
 
-    if load_in_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        # Casts norms to float32 and wires input grads so LoRA trains stably on a frozen 4-bit base.
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    elif gradient_checkpointing:
+    if bits:
+        # float32 adapters (mixed precision): the 1-D weights too, not peft's every 16-bit
+        # weight; pure bf16: nothing (see mogrpo.modeling.quantize)
+        prepare_quantized(model, upcast=adapter_dtype == torch.float32)
+    if gradient_checkpointing:
         enable_checkpointing(model)
     if lora is not None:
         model = apply_lora(model, lora, input_grads=gradient_checkpointing,
@@ -334,7 +337,7 @@ def save_model(
     if not merged:
         return paths
     base = model.get_base_model()
-    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_quantized", False):
+    if is_quantized(base):
         logger.warning(
             "not saving a merged model: merging into quantized weights loses precision. Load the base "
             "in bfloat16, attach %s with peft.PeftModel.from_pretrained and call merge_and_unload()",

@@ -42,7 +42,7 @@ class TrainContext:
         the copies (fused, packed linear weights) fit in their room; else the engine's cap
         (None: `PLAIN_MAX_BYTES`), for LoRA merges a whole copy the run otherwise never holds."""
         mc = self.config.model
-        full = not self.config.lora.enabled and not mc.load_in_4bit
+        full = not self.config.lora.enabled and not (mc.load_in_4bit or mc.load_in_8bit)
         return 1 << 62 if full and self.device.type == "cpu" else None
 
     @property

@@ -47,7 +47,7 @@ from mogrpo.tracking.jsonl import MetricsWriter
 from mogrpo.train.completions import CompletionLog, completion_rows
 from mogrpo.train.distributed import Dist
 from mogrpo.train.metrics import format_step, reward_metrics
-from mogrpo.train.optim import build_optimizer, build_scheduler, step_with_update_norms
+from mogrpo.train.optim import build_scheduler, step_with_update_norms, train_optimizer
 from mogrpo.train.parallel import ParallelPolicy
 from mogrpo.train.progress import Progress
 
@@ -97,7 +97,7 @@ class GRPOTrainer:
         self.beta_changes: list[str] = []
         tc = self.config.train
         self.total_updates = tc.max_steps * self.config.algorithm.num_iterations
-        self.optimizer = build_optimizer(ctx.policy, tc.learning_rate, tc.weight_decay, tc.adam_betas)
+        self.optimizer = train_optimizer(ctx.policy, tc)  # train.optimizer, at its settings
         self.scaler = ctx.precision.grad_scaler()  # fp16-mixed's loss scale; else a no-op
         self.scheduler = build_scheduler(
             self.optimizer, tc.lr_scheduler, tc.warmup_steps, self.total_updates

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from torch import Tensor
+
+from mogrpo.config.hardware import BNB_OPTIMIZERS, GPU_EXTRA, OptimizerName, bitsandbytes_problem
+from mogrpo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mogrpo.config.sections import TrainConfig
 
 UPDATE_NORM_CHUNK_BYTES = 16 * 2**20
 """Trainable weights copied at a time by `step_with_update_norms`: the copy of a chunk lives only
@@ -16,10 +23,25 @@ the run's peak RSS."""
 
 
 def build_optimizer(
-    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+    kind: str = "adamw",
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, fused where the device and dtype allow."""
+    """The `train.optimizer` named `kind` over the trainable parameters: AdamW (fused where the
+    device and dtype allow), bitsandbytes' 8-bit AdamW (paged or not), or Adafactor at `lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if kind in BNB_OPTIMIZERS:
+        bnb = import_bitsandbytes(f"train.optimizer = {kind}")
+        make = bnb.optim.PagedAdamW8bit if kind == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return make(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if kind == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # a fixed learning rate (the scheduler's), not Adafactor's relative step size
+        # scaled by each weight's RMS: train.learning_rate means the same for every optimizer
+        return Adafactor(params, lr=lr, weight_decay=weight_decay, scale_parameter=False,
+                         relative_step=False, warmup_init=False)
+    if kind != "adamw":
+        raise ConfigError(f"train.optimizer = {kind!r} is not one of {list(get_args(OptimizerName))}")
     try:
         # One fused kernel for every tensor (CPU and CUDA): many times faster than the default
         # per-tensor loop when a model has many small tensors, as LoRA adapters do.
@@ -27,6 +49,23 @@ def build_optimizer(
                                  fused=True)
     except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def train_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """GRPO's optimizer: `build_optimizer` with the settings of the `train` section."""
+    return build_optimizer(model, train.learning_rate, train.weight_decay, train.adam_betas,
+                           train.optimizer)
+
+
+def import_bitsandbytes(what: str) -> Any:
+    """The bitsandbytes module, or the ConfigError validation gives (`what` needs it)."""
+    problem = bitsandbytes_problem("cuda", machine=True)
+    if problem is not None:
+        raise ConfigError(f"{what} needs a CUDA GPU and bitsandbytes (`{GPU_EXTRA}`), but "
+                          f"{problem}")
+    import bitsandbytes
+
+    return bitsandbytes
 
 
 def _chunks(params: list[Tensor], budget: int) -> Iterator[list[Tensor]]:
@@ -50,9 +89,11 @@ def step_with_update_norms(optimizer: torch.optim.Optimizer,
     of (after - before) [scalar tensors, in the optimizer's order].
 
     The step runs on a chunk of parameters at a time (`budget` bytes of them, None:
-    UPDATE_NORM_CHUNK_BYTES), each chunk copied just before its step: AdamW's update is
-    element-wise per tensor, so stepping the parameters in chunks gives the bits one step of all
-    of them gives, and the copy never holds more than one chunk. The optimizer's parameter groups
+    UPDATE_NORM_CHUNK_BYTES), each chunk copied just before its step: every optimizer of
+    `build_optimizer` updates each tensor from its own gradient and state alone (AdamW element-
+    wise, 8-bit AdamW block-wise, Adafactor per row and column), so stepping the parameters in
+    chunks gives the bits one step of all of them gives, and the copy never holds more than
+    one chunk. The optimizer's parameter groups
     are put back as they were, also on an error."""
     groups = [group["params"] for group in optimizer.param_groups]
     norms: list[Tensor] = []

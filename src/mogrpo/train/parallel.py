@@ -188,8 +188,9 @@ def parallelize(policy: nn.Module, config: DistributedConfig, dist: Dist,
     sharded = shard(policy, config, dist)
     if reference is not None and reference.kind == "frozen_copy":
         shard(reference._module, config, dist)
-    log.info("distributed: FSDP2 over %d processes (%d sharded modules, mixed precision %s)",
-             dist.world_size, len(sharded), config.mixed_precision)
+    log.info("distributed: FSDP2 over %d processes (%d sharded modules, mixed precision %s%s)",
+             dist.world_size, len(sharded), config.mixed_precision,
+             ", shards offloaded to host memory" if config.cpu_offload else "")
     parallel = ParallelPolicy(policy, "fsdp", dist, sharded=sharded,
                               reshard_after_forward=config.reshard_after_forward)
     if reference is not None and reference.kind == "adapter_disabled":
@@ -220,17 +221,27 @@ def shard(model: nn.Module, config: DistributedConfig, dist: Dist,
     `layers` defaults to `decoder_layers(model)`. Returns the sharded modules, root last. The shards are then filled from process 0's full
     weights, so every process starts from the same model whatever it loaded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     # references, not copies: fully_shard copies each process's part into its own storage
     root = unwrap_causal_lm(model)
     full = {k: v.detach() for k, v in root.state_dict().items()} if dist.is_main else {}
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if config.mixed_precision == "bf16" else MixedPrecisionPolicy()
+    # cpu_offload: shards, gradients and optimizer state in host memory, the optimizer stepping
+    # there; pinned, so copies to the GPU run asynchronously (without CUDA: tests, no pinning)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.cpu_offload \
+        else OffloadPolicy()
     for layer in decoder_layers(model) if layers is None else layers:
-        fully_shard(layer, mp_policy=precision,
+        fully_shard(layer, mp_policy=precision, offload_policy=offload,
                     reshard_after_forward=config.reshard_after_forward)
-    fully_shard(root, mp_policy=precision, reshard_after_forward=False)
+    fully_shard(root, mp_policy=precision, offload_policy=offload, reshard_after_forward=False)
     sharded = [m for m in root.modules() if isinstance(m, FSDPModule)]
     sharded.remove(root)
     sharded.append(root)

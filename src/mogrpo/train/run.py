@@ -14,6 +14,7 @@ import torch
 
 from mogrpo.checkpoint.store import CHECKPOINTS, load_weights, verify
 from mogrpo.config import RunConfig, to_yaml
+from mogrpo.config.hardware import quantized_field
 from mogrpo.config.machine import NO_CUDA
 from mogrpo.config.precision import FSDP_FP16
 from mogrpo.config.processes import check_processes, strategy_for
@@ -32,6 +33,7 @@ from mogrpo.modeling.load import (
 )
 from mogrpo.modeling.precision import Precision, pure_bf16_warning
 from mogrpo.modeling.precision import resolve as resolve_precision
+from mogrpo.modeling.quantize import is_quantized
 from mogrpo.rollout.generate import SamplingSettings, resolve_stop_ids
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task, load_tasks
@@ -72,9 +74,9 @@ def join_processes(config: RunConfig, dist: Dist) -> tuple[RunConfig, Path]:
     (metrics, its sampling RNG in its checkpoints) in `output.dir/.rank-r`, logs only errors
     and saves no final model; the SFT model is process 0's, in the main run directory."""
     main_dir = Path(config.output.dir)
+    check_processes(config, dist.world_size)
     if dist.world_size == 1:
         return config, main_dir
-    check_processes(config, dist.world_size)
     if not dist.is_main:
         logging.getLogger("mogrpo").setLevel(logging.ERROR)
         data = config.model_dump()
@@ -122,7 +124,7 @@ def _load_policy(config: RunConfig, base: Path | None, precision: Precision,
         gradient_checkpointing=mc.gradient_checkpointing,
         attn_implementation=mc.attn_implementation, trust_remote_code=mc.trust_remote_code,
         lora=LoraSettings(lc.r, lc.alpha, lc.dropout, lc.target_modules) if lc.enabled else None,
-        load_in_4bit=mc.load_in_4bit,
+        load_in_4bit=mc.load_in_4bit, load_in_8bit=mc.load_in_8bit,
         tokenizer_name_or_path=None if base else mc.tokenizer,
         disable_dropout=mc.disable_dropout,
         device=device,
@@ -139,7 +141,7 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
                                                        Dist.current().world_size) == "fsdp":
         raise ConfigError(FSDP_FP16)
     policy, tokenizer = _load_policy(config, base, precision, device)
-    if not mc.load_in_4bit:
+    if not quantized_field(mc):
         policy.to(device)  # on a GPU already there (`load_policy`)
     if precision.name == "bf16":
         log.warning("%s", pure_bf16_warning(policy, config.train.learning_rate))
@@ -362,8 +364,8 @@ def restart_adapter(ctx: TrainContext, sft_dir: Path, write: bool = True) -> Non
     policy = ctx.policy
     if not isinstance(policy, PeftModel):
         return
-    if getattr(policy.get_base_model(), "is_loaded_in_4bit", False):
-        log.warning("4-bit base: the SFT adapter cannot be merged losslessly, so the KL "
+    if is_quantized(policy.get_base_model()):
+        log.warning("quantised base: the SFT adapter cannot be merged losslessly, so the KL "
                     "reference stays the pre-SFT base model")
         return
     lc = ctx.config.lora

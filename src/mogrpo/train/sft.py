@@ -94,7 +94,8 @@ def run_sft(ctx: TrainContext, writer: MetricsWriter) -> dict[str, float]:
     pad_id = ctx.tokenizer.pad_token_id
     policy = ctx.policy
     policy.train()
-    optimizer = build_optimizer(policy, cfg.learning_rate, 0.0, (0.9, 0.999))
+    optimizer = build_optimizer(policy, cfg.learning_rate, 0.0, (0.9, 0.999),
+                                ctx.config.train.optimizer)  # GRPO's kind: the same memory
     scheduler = build_scheduler(optimizer, "constant", min(10, cfg.steps // 10), cfg.steps)
     params = [p for p in policy.parameters() if p.requires_grad]
     scaler = ctx.precision.grad_scaler()  # fp16-mixed's loss scale; else a pass-through

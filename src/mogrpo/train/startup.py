@@ -20,8 +20,10 @@ from mogrpo.tasks.task import Task
 def _training(config: RunConfig) -> str:
     mc, lc = config.model, config.lora
     how = f"LoRA r {lc.r} (alpha {lc.alpha:g})" if lc.enabled else "full fine-tuning"
-    if mc.load_in_4bit:
-        how += ", 4-bit base"
+    if mc.load_in_4bit or mc.load_in_8bit:
+        how += f", {4 if mc.load_in_4bit else 8}-bit base"
+    if config.train.optimizer != "adamw":
+        how += f", {config.train.optimizer}"
     return how
 
 

@@ -6,7 +6,7 @@ A checkpoint (`mogrpo.checkpoint.store`) is this state on disk:
 | part | owner | in the checkpoint |
 |---|---|---|
 | trainable weights | the policy | weights.safetensors |
-| AdamW moments | `GRPOTrainer.optimizer` | optimizer.pt |
+| optimizer state (`train.optimizer`: AdamW's moments, …) | `GRPOTrainer.optimizer` | optimizer.pt |
 | Python, NumPy, torch and CUDA RNGs | the process | rng.safetensors (restored last) |
 | step, skipped updates, task mixer, KL controllers, their KL window and β-change log, curriculum, health monitor, judges | `GRPOTrainer` | trainer_state.json `trainer` |
 | learning-rate schedule | `GRPOTrainer.scheduler` | `scheduler` |
@@ -27,6 +27,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from mogrpo.checkpoint import sharded, store
 from mogrpo.checkpoint.resume import check_drift, config_diff, config_hash
@@ -119,7 +121,15 @@ class RunState:
             self.load_state_dict(loaded.state)
             loaded.restore_rng()
             return
-        self._load_weights(loaded.weights, loaded.optimizer)
+        trained = yaml.safe_load(loaded.config_yaml) or {}
+        saved = trained.get("train", {}).get("optimizer", "adamw")  # older checkpoints: adamw
+        if saved != self.config.train.optimizer:  # resumed with --allow-config-change
+            # another optimizer's state does not fit this one's: it starts afresh
+            log.warning("train.optimizer changed from %s to %s: its state starts empty",
+                        saved, self.config.train.optimizer)
+            store.load_weights(self.ctx.policy, loaded.weights)
+        else:
+            self._load_weights(loaded.weights, loaded.optimizer)
         self.load_state_dict(loaded.state)
         store.restore_rng(loaded.rng, loaded.state["rng"])
 

@@ -1,0 +1,104 @@
+"""What the small-GPU settings ask of the machine, checked when the config is validated, before
+any model loads: bitsandbytes and a CUDA GPU for the 8-bit optimizers and the 4-/8-bit weights,
+a GPU for FSDP2's CPU offload, and which of them can go together.
+
+Torch is imported only to ask for a GPU, and only when a setting needs one; a config that
+names none of them validates without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from mogrpo.config.sections import ModelConfig, RunConfig
+
+OptimizerName = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor"]
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+"""The optimizers bitsandbytes provides (CUDA only)."""
+GPU_EXTRA = "pip install 'mogrpo[gpu]'"
+
+
+def quantized_field(model: ModelConfig) -> str | None:
+    """`model.load_in_4bit` or `model.load_in_8bit`, whichever is set (None: neither)."""
+    if model.load_in_4bit:
+        return "model.load_in_4bit"
+    return "model.load_in_8bit" if model.load_in_8bit else None
+
+
+def bitsandbytes_problem(device: str, machine: bool) -> str | None:
+    """Why bitsandbytes cannot run for a run on `device` (None: it can). `machine`: also look at
+    this machine (the package installed, a CUDA GPU visible); else only at the config."""
+    if device == "cpu":
+        return "device is cpu"
+    if not machine:
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed"
+    return None if _cuda() else "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def quantization_errors(model: ModelConfig, lora: bool) -> list[str]:
+    """What cannot be loaded or trained of `model.load_in_4bit` / `load_in_8bit` (`lora`:
+    `lora.enabled`), whatever the machine."""
+    errors = []
+    quantized = quantized_field(model)
+    if model.load_in_4bit and model.load_in_8bit:
+        errors.append("model.load_in_4bit and model.load_in_8bit are both set: the weights load "
+                      "in one format; keep one of them")
+    if quantized and not lora:
+        errors.append(f"{quantized} trains nothing without LoRA (quantised weights are frozen); "
+                      "set lora.enabled: true")
+    return errors
+
+
+def small_gpu_errors(config: RunConfig, machine: bool = True) -> list[str]:
+    """Every problem of `train.optimizer`, `model.load_in_4bit` / `load_in_8bit` and
+    `distributed.cpu_offload` in `config` (with `machine`: on this machine)."""
+    mc, optimizer = config.model, config.train.optimizer
+    quantized = quantized_field(mc)
+    errors = quantization_errors(mc, config.lora.enabled)
+    bnb = [(f"{quantized} = true", f"set {quantized}: false")] if quantized else []
+    if optimizer in BNB_OPTIMIZERS:
+        bnb.append((f"train.optimizer = {optimizer}",
+                    "use train.optimizer: adamw, or adafactor (its state is also small)"))
+    problem = bitsandbytes_problem(config.device, machine) if bnb else None
+    for what, fix in bnb if problem else ():
+        errors.append(f"{what} needs a CUDA GPU and bitsandbytes (`{GPU_EXTRA}`), but "
+                      f"{problem}; on this machine {fix}")
+    dc = config.distributed
+    if dc.cpu_offload and dc.strategy != "fsdp":
+        errors.append(f"distributed.cpu_offload moves FSDP2's shards to host memory, but "
+                      f"distributed.strategy is {dc.strategy}; set it to fsdp (several "
+                      "processes), or cpu_offload: false")
+    elif dc.cpu_offload and (config.device == "cpu" or machine and not _cuda()):
+        errors.append("distributed.cpu_offload frees GPU memory, but this run has no CUDA GPU "
+                      "(device cpu, or none visible); set distributed.cpu_offload: false")
+    return errors
+
+
+def process_errors(config: RunConfig, strategy: str) -> list[str]:
+    """What the small-GPU settings cannot do under `strategy` (the one the processes use)."""
+    quantized = quantized_field(config.model)
+    errors = []
+    if strategy == "fsdp" and quantized:
+        errors.append(f"distributed.strategy: fsdp cannot shard quantised weights ({quantized}); "
+                      "use distributed.strategy: ddp")
+    if strategy == "fsdp" and config.train.optimizer != "adamw":
+        # bitsandbytes: issues #89 and #1633 (FSDP2: illegal memory access); transformers'
+        # Adafactor adds plain tensors to DTensor shards and fails
+        errors.append(f"train.optimizer = {config.train.optimizer} cannot step FSDP2's sharded "
+                      "parameters (DTensors): only adamw can; use adamw or "
+                      "distributed.strategy: ddp")
+    if strategy == "none" and config.distributed.cpu_offload:
+        errors.append("distributed.cpu_offload offloads FSDP2's shards, and one process shards "
+                      "nothing; run several (--nproc N, distributed.strategy: fsdp) or set "
+                      "distributed.cpu_offload: false")
+    return errors
