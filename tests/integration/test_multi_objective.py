@@ -49,6 +49,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_two_tasks_with_different_bands_move_beta_apart(tmp_path, tiny_model, capsys):
     def edit(config):
         # Any KL > 0 is above fairness's band and below hallucination's.
+        config["tasks"]["fairness"]["beta"], config["tasks"]["hallucination"]["beta"] = 0.02, 0.05
         config["tasks"]["fairness"]["kl"] = {"kind": "band", "low": 0.0, "high": 1e-9,
                                              "rate": 0.2, "every_steps": 1}
         config["tasks"]["hallucination"]["kl"] = {"kind": "band", "low": 100.0, "high": 200.0,
