@@ -122,8 +122,8 @@ def test_full_finetune_changes_weights_and_reloads(tmp_path, tiny_model, capsys)
         f"  params   {params:,} trainable of {params:,} (100.00%)",
         "  device   cpu, float32"]
     assert summary[4] == "  task fairness: 104 train / 16 eval rows from builtin:bias_probe?size=120, share 1"
-    assert summary[5] == ("    rewards mc_correct ×1, format ×0.1, length_penalty ×0.5, "
-                          "distinct ×1; β 0.02 (band 0.01–0.05)")
+    assert summary[5] == ("    rewards mc_correct ×1, format ×0.5, length_penalty ×0.5, "
+                          "distinct ×1; β 0.2 (dual 0.05–0.35)")
     assert summary[8].startswith(f"  steps    GRPO {STEPS} × 4 prompts × K 4 = 16 completions")
     assert summary[9].startswith("  memory   estimated peak ")
     assert err.index("run summary") < err.index(f"step 1/{STEPS} | loss")

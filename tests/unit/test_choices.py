@@ -71,6 +71,7 @@ def test_every_advantage_mode_centres_each_group(combine, scale):
 
 @pytest.mark.parametrize("kind", KL_CONTROLLERS)
 def test_every_kl_controller_kind_builds(kind):
-    options = {"fixed": {}, "band": {"low": 0.02, "high": 0.06}, "proportional": {"target": 0.05}}
+    options = {"fixed": {}, "band": {"low": 0.02, "high": 0.06}, "proportional": {"target": 0.05},
+               "dual": {"low": 0.02, "high": 0.06}}
     config = KLControlConfig(kind=kind, **options[kind])
     assert make_controller("fairness", config.kind, 0.1, **config.options()).kind == kind
