@@ -36,7 +36,9 @@ def replay(name: str, ctx: StepContext, monitor: HealthMonitor | None = None,
     at eval steps), the end eval. Returns the monitor and the fixture's header."""
     monitor = monitor or HealthMonitor()
     lines = [json.loads(line) for line in (FIXTURES / name).read_text().splitlines()]
-    for row in lines[1:]:
+    # the eval before GRPO first, as the trainer runs it (a fixture lists its evals last)
+    rows = sorted(lines[1:], key=lambda r: r["kind"] != "eval" or r["tag"] != "start")
+    for row in rows:
         if until is not None and row["step"] > until:
             break
         if row["kind"] == "step":

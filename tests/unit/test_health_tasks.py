@@ -46,6 +46,13 @@ def test_a_task_that_does_not_move_while_another_learns_is_one_alert():
     assert "Try: widen its KL band or lower its β" in message
 
 
+def test_no_stall_alert_when_the_other_task_rose_only_at_the_last_eval():
+    # demo seeds 5 and 7: hallucination learned between steps 150 and 200, fairness 50 steps
+    # later; at step 200 fairness had been flat, but the other task only just ahead
+    assert evals(monitor(), {"fairness": [0.52, 0.52, 0.52, 0.52, 0.54, 0.74, 0.77],
+                             "hallucination": [0.52, 0.52, 0.52, 0.52, 0.78, 1.0, 1.0]}) == {}
+
+
 def test_no_stall_alert_while_both_learn_or_both_have_converged():
     assert evals(monitor(), {"fairness": [0.5, 0.5, 0.52, 0.6, 0.7, 0.72],
                              "hallucination": [0.5, 0.7, 1.0, 1.0, 1.0, 1.0]}) == {}

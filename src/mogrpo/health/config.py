@@ -180,6 +180,9 @@ class TaskStalledConfig(CheckConfig):
     accuracy on 200 prompts has a sampling error of ~0.035)."""
     min_rise: float = Field(0.05, gt=0)
     """Another task improved: its score rose by at least this over the same evals."""
+    lag: int = Field(2, ge=0)
+    """...and had risen `lag` evals before the latest: the task has stayed flat that long
+    while the other was ahead (tasks learn at different times; one eval behind is no stall)."""
 
 
 class KLOutOfBandConfig(CheckConfig):

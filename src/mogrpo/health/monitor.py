@@ -259,7 +259,8 @@ class HealthMonitor:
         for task, (score, _, _) in now.items():
             self._scores.setdefault(task, []).append(score)
         span = cfg.patience + 1  # the evals compared: this one and `patience` before it
-        rising = {t: s[-1] - s[-span] for t, s in self._scores.items() if len(s) >= span}
+        lag = min(cfg.lag, cfg.patience)  # the other task had risen by `lag` evals ago
+        rising = {t: s[-1 - lag] - s[-span] for t, s in self._scores.items() if len(s) >= span}
         for task in sorted(now):
             scores, start = self._scores[task][-span:], self._scores[task][0]
             # not moved, and not above where it started: a task that learned and then
@@ -270,7 +271,8 @@ class HealthMonitor:
             # once per stall (the patience is the span of evals): re-armed when it moves
             if self._count("task_stalled", task, flat and bool(others)) != 1:
                 continue
-            other, rise = max(others.items(), key=lambda kv: kv[1])
+            other = max(others, key=others.get)
+            rise = self._scores[other][-1] - self._scores[other][-span]  # up to now
             kl = m.get(names.TASK_KL.of(task))
             self._fire("task_stalled", step, (
                 f"task {task}: eval score {scores[-1]:.3f} has not moved by more than "
