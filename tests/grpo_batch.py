@@ -44,3 +44,17 @@ def make_batch() -> tuple[TinyLM, dict[str, torch.Tensor]]:
     beta = torch.tensor([0.05, 0.2, 0.0, 0.1, 0.3], dtype=torch.float64)  # per task
     return model, dict(inputs=inputs, targets=targets, mask=mask, old_logp=old_logp,
                        ref_logp=ref_logp, advantages=advantages, beta=beta)
+
+
+def shared_prompt_batch(vocab: int, K: int = 3) -> tuple[torch.Tensor, ...]:
+    """3 prompts (lengths 5, 3, 7, left-padded to 7) x K completions of lengths 1..6 (C = 6),
+    token ids in [3, vocab): (prompt_ids, prompt_mask, completion_ids, completion_mask)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    P, C, B = 7, 6, 3 * K
+    prompt_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts]).repeat_interleave(K, 0)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    lengths = torch.randint(1, C + 1, (B,), generator=g)
+    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(3, vocab, (B, C), generator=g) * completion_mask
+    return prompt_ids, prompt_mask.repeat_interleave(K, 0), completion_ids, completion_mask

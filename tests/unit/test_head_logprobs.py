@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import mogrpo.algo.head_logprobs as chunked
 import mogrpo.algo.logprobs as logprobs
+from grpo_batch import shared_prompt_batch
 from mogrpo.algo.head_logprobs import OutputHead, head_logprobs
 from mogrpo.algo.logprobs import completion_logprobs, output_head, token_logprobs_and_entropy
 from mogrpo.modeling.dropout import disable_dropout
@@ -126,16 +127,7 @@ def _model(family: str, scale: float = 8.0, **changes) -> torch.nn.Module:
 
 
 def _batch(K: int = 3):
-    """3 prompts (lengths 5, 3, 7, left-padded to 7) x K completions of lengths 1..6 (C = 6)."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 3, 7)]
-    P, C, B = 7, 6, 3 * K
-    prompt_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts]).repeat_interleave(K, 0)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
-    lengths = torch.randint(1, C + 1, (B,), generator=g)
-    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
-    completion_ids = torch.randint(3, V, (B, C), generator=g) * completion_mask
-    return prompt_ids, prompt_mask.repeat_interleave(K, 0), completion_ids, completion_mask
+    return shared_prompt_batch(V, K)
 
 
 def _logprobs_and_grads(model, batch, monkeypatch, *, full: bool, shared: bool):
