@@ -298,7 +298,7 @@ class DualKL(KLController):
                 f"{_field(task, 'beta')}={beta!r} and {_field(task, 'beta_min')}={beta_min!r} "
                 "must be > 0 for kind 'dual', which moves beta by factors"
             )
-        self.target = math.sqrt(self.low * self.high)
+        # the quiet middle: `quiet` of the band's log-width around its geometric centre
         margin = (1 - self.quiet) / 2 * math.log(self.high / self.low)
         self.quiet_low, self.quiet_high = self.low * math.exp(margin), self.high / math.exp(margin)
         self._last_error: float | None = None
