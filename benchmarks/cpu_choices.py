@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from mogrpo.algo import cpu_linear
-from mogrpo.algo.cpu_linear import cpu_name
 from mogrpo.algo.logprobs import completion_logprobs
+from mogrpo.kernels.cpu import linear as cpu_linear
+from mogrpo.kernels.cpu.host_memory import keep_freed_memory
+from mogrpo.kernels.cpu.linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.rollout.scoring import score_hidden, trains_here
-from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "vs_trl"))

@@ -11,7 +11,7 @@ the decode loop. A second series replaces each layer's projection kernels inside
 step with one returning a preallocated zero tensor: the step time left is what the step's
 other operations cost (norms, rotation, cache writes, attention, residuals, the output head),
 and the difference is the products'. These run on the Python decode step; a last series runs
-the compiled one (`rollout/cpu_kernel.py`) where it is available. The counters read the
+the compiled one (`kernels/cpu/decode_step.py`) where it is available. The counters read the
 decoder's internals (its per-layer tuples): a diagnostic, not an API.
 """
 
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 import mogrpo.rollout.native as native
-from mogrpo.algo.cpu_linear import cpu_name
-from mogrpo.rollout import cpu_kernel
+from mogrpo.kernels.cpu import decode_step as cpu_kernel
+from mogrpo.kernels.cpu.host_memory import keep_freed_memory
+from mogrpo.kernels.cpu.linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
-from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "vs_trl"))

@@ -10,7 +10,7 @@ every row decodes the full budget and the engines do the same number of tokens.
 (the update changes them between rollouts), and with the weights held between calls
 (`held_projections`, as `mogrpo predict`, the quick eval and `mogrpo serve` decode batch after
 batch with the same weights; on a copy of the model, so the first arm packs at every call).
-Where the native engine runs its compiled CPU decode step (`rollout/cpu_kernel.py`), a fourth
+Where the native engine runs its compiled CPU decode step (`kernels/cpu/decode_step.py`), a fourth
 arm runs the native engine with the Python step instead, packing per call: the compiled step's
 own speed-up.
 
@@ -44,11 +44,11 @@ from pathlib import Path
 
 import torch
 
-from mogrpo.algo.cpu_linear import cpu_name
-from mogrpo.rollout import cpu_kernel
+from mogrpo.kernels.cpu import decode_step as cpu_kernel
+from mogrpo.kernels.cpu.host_memory import keep_freed_memory
+from mogrpo.kernels.cpu.linear import cpu_name
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.rollout.projections import held_projections
-from mogrpo.train.host_memory import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "vs_trl"))
@@ -191,7 +191,7 @@ def main() -> None:
                  "`predict` and `serve` run on a CPU). Packing per call: as a training rollout "
                  "(the weights change between rollouts). Weights held: as `predict`, the quick "
                  "eval and `serve` (`held_projections`)." + (
-                     " Native decode step compiled (`rollout/cpu_kernel.py`); the Python step: "
+                     " Native decode step compiled (`kernels/cpu/decode_step.py`); the Python step: "
                      "the same engine with it off (MOGRPO_DECODE_KERNEL=0), packing per call."
                      if compiled else " Native decode step: the Python step."))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -4,7 +4,7 @@
 
 Decodes the built-in demo tasks' questions (200 of each, rendered with the model's chat
 template) with the native engine twice — with its compiled CPU decode step
-(`mogrpo.rollout.cpu_kernel`) and with the Python step — greedily (1 completion each) and
+(`mogrpo.kernels.cpu.decode_step`) and with the Python step — greedily (1 completion each) and
 sampled (4 each, the same seed), and prints how many completions are identical token for token
 and the largest gap between their sampler log-probs. The compiled step's sums round
 differently, so the two can part only where two tokens are within float32 rounding of a tie.
@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mogrpo.data.synthetic import builtin_rows
+from mogrpo.kernels.cpu import decode_step as cpu_kernel
 from mogrpo.modeling.chat import render_prompt
-from mogrpo.rollout import cpu_kernel
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from mogrpo.algo.cpu_linear import cpu_name
+from mogrpo.kernels.cpu.linear import cpu_name
 
 
 def band_of(config: dict, task: str) -> tuple[float, float] | None:

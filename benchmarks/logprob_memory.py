@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mogrpo.algo.cpu_linear import cpu_name
+from mogrpo.kernels.cpu.linear import cpu_name
 
 LAYERS, PROMPTS, K, PROMPT, COMPLETION = 2, 2, 8, 32, 512
 QWEN25_05B = dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,

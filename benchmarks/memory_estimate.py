@@ -69,7 +69,7 @@ def child(case: dict) -> dict:
     from mogrpo.config import RunConfig
     from mogrpo.memory import estimate, load_model_config, reset_peak
     from mogrpo.modeling.load import LoraSettings, load_policy
-    from mogrpo.train.optim import build_optimizer
+    from mogrpo.trainer.optim import build_optimizer
 
     torch.manual_seed(0)
     lora = LoraSettings(r=8) if case["lora"] else None

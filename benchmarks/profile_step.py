@@ -28,14 +28,14 @@ sys.path.insert(0, str(HERE / "vs_trl"))
 import workload  # noqa: E402  (the vs_trl models, prompts and config)
 
 PHASES = [  # (label, module path, attribute): the trainer's phases, then the update's parts
-    ("rollout", "mogrpo.train.grpo.GRPOTrainer", "generate"),
+    ("rollout", "mogrpo.trainer.grpo.GRPOTrainer", "generate"),
     ("  native decode", "mogrpo.rollout.generate", "native_decode"),
-    ("reward", "mogrpo.train.grpo.GRPOTrainer", "score"),
-    ("advantages", "mogrpo.train.grpo.GRPOTrainer", "advantages"),
-    ("reference forward", "mogrpo.train.grpo.GRPOTrainer", "reference_logprobs"),
-    ("update", "mogrpo.train.grpo.GRPOTrainer", "update"),
-    ("  log-prob forwards (policy, ref)", "mogrpo.train.grpo", "completion_logprobs"),
-    ("  loss", "mogrpo.train.grpo", "grpo_loss"),
+    ("reward", "mogrpo.trainer.grpo.GRPOTrainer", "score"),
+    ("advantages", "mogrpo.trainer.grpo.GRPOTrainer", "advantages"),
+    ("reference forward", "mogrpo.trainer.grpo.GRPOTrainer", "reference_logprobs"),
+    ("update", "mogrpo.trainer.grpo.GRPOTrainer", "update"),
+    ("  log-prob forwards (policy, ref)", "mogrpo.trainer.grpo", "completion_logprobs"),
+    ("  loss", "mogrpo.trainer.grpo", "grpo_loss"),
     ("  backward", "torch.Tensor", "backward"),
     ("  grad clip", "torch.nn.utils", "clip_grad_norm_"),
 ]
@@ -82,7 +82,7 @@ def main() -> None:
     path = workload.write_mogrpo_config(args.work / "config.yaml", config)
 
     from mogrpo.cli import main as mogrpo_main
-    from mogrpo.train.grpo import GRPOTrainer
+    from mogrpo.trainer.grpo import GRPOTrainer
 
     spent: dict[str, float] = defaultdict(float)
     for label, owner, attr in PHASES:

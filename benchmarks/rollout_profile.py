@@ -36,9 +36,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mogrpo.demo import demo_base, tokenizer_corpus
+from mogrpo.kernels.cpu.host_memory import keep_freed_memory
 from mogrpo.modeling.tiny import build_tiny_model
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
-from mogrpo.train.host_memory import keep_freed_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_smoke import QWEN2_SMALL  # noqa: E402  (the smoke test's model shape)
@@ -127,7 +127,7 @@ def profile_training(engine: str, out: Path, allow_cudnn: bool) -> None:
     from gpu_smoke import QWEN2_SMALL, run_config
 
     from mogrpo.cli import main as mogrpo_main
-    from mogrpo.train.grpo import GRPOTrainer
+    from mogrpo.trainer.grpo import GRPOTrainer
 
     out.mkdir(parents=True, exist_ok=True)
     model = out / "qwen2-small"

@@ -16,7 +16,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """The native engine's compiled CPU decode step built (where it can be) before any test, or
     any process a test starts, decodes: on a new machine its ~30 s build would otherwise land
     inside whichever test decodes first, under that test's time limits."""
-    from mogrpo.rollout import cpu_kernel
+    from mogrpo.kernels.cpu import decode_step as cpu_kernel
 
     cpu_kernel.module()
 

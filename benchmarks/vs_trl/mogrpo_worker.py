@@ -18,7 +18,7 @@ from pathlib import Path
 def main() -> int:
     config, out = sys.argv[1], Path(sys.argv[2])
     from mogrpo.cli import main as mogrpo_main
-    from mogrpo.train.grpo import GRPOTrainer
+    from mogrpo.trainer.grpo import GRPOTrainer
 
     cpu_s: list[float] = []
     train_step = GRPOTrainer.train_step

@@ -161,7 +161,7 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
     import trl
 
     import mogrpo
-    from mogrpo.algo.cpu_linear import cpu_name
+    from mogrpo.kernels.cpu.linear import cpu_name
 
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

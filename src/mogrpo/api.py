@@ -64,7 +64,7 @@ def train(config: RunConfig | str | Path | Mapping[str, Any] | None = None, /, *
     if sections or not isinstance(config, RunConfig):
         config = Config(config, **sections)
     from mogrpo.cli.console import setup_logging
-    from mogrpo.train.run import run_training
+    from mogrpo.trainer.run import run_training
 
     setup_logging(log_level or config.logging.level)
     return run_training(config, resume=resume, allow_config_change=allow_config_change)

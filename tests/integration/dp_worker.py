@@ -22,15 +22,15 @@ from grpo_batch import make_batch  # noqa: E402
 from mogrpo.algo.logprobs import token_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
 from mogrpo.config.sections import DistributedConfig
-from mogrpo.train.distributed import Dist, process_group
-from mogrpo.train.parallel import ParallelPolicy, shard
+from mogrpo.trainer.distributed import Dist, process_group
+from mogrpo.trainer.parallel import ParallelPolicy, shard
 
 SHARDS = {0: [0], 1: [1, 2, 3, 4]}  # uneven on purpose: 1 row and 4 rows
 BUDGET = 8
 
 
 def wrap(model: torch.nn.Module, strategy: str, dist: Dist) -> ParallelPolicy:
-    """The model under `strategy` (none: as it is), as `mogrpo.train.parallel` wraps a policy."""
+    """The model under `strategy` (none: as it is), as `mogrpo.trainer.parallel` wraps a policy."""
     if strategy == "ddp":
         return ParallelPolicy(model, "ddp", dist, DistributedDataParallel(model))
     if strategy == "fsdp":

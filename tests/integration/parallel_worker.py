@@ -1,6 +1,6 @@
 """One process of the DDP / FSDP2 equivalence test, run by torchrun (see test_parallel.py).
 
-Each case loads the tiny model, wraps it for its strategy (`mogrpo.train.parallel`), and runs
+Each case loads the tiny model, wraps it for its strategy (`mogrpo.trainer.parallel`), and runs
 the GRPO trainer's own `reference_logprobs` + `update` on three fixed global batches of three
 prompts × K = 2; process r keeps its share of the prompts (uneven with 2 processes: 2 prompts
 and 1, so 2 micro-batches and 1). Process 0 saves the summed losses, the norms and the whole
@@ -25,11 +25,11 @@ from mogrpo.rollout.generate import Rollout, generate_rollout
 from mogrpo.tasks.context import render_prompts
 from mogrpo.tasks.task import load_tasks
 from mogrpo.tracking import names
-from mogrpo.train import optim
-from mogrpo.train.distributed import Dist, process_group
-from mogrpo.train.grpo import GRPOTrainer, ScoredBatch
-from mogrpo.train.parallel import full_weights, parallelize
-from mogrpo.train.run import build_context, seed_everything
+from mogrpo.trainer import optim
+from mogrpo.trainer.distributed import Dist, process_group
+from mogrpo.trainer.grpo import GRPOTrainer, ScoredBatch
+from mogrpo.trainer.parallel import full_weights, parallelize
+from mogrpo.trainer.run import build_context, seed_everything
 
 K, PROMPTS, STEPS = 2, 3, 3
 SHARES = {1: [[0, 1, 2]], 2: [[0, 1], [2]]}  # prompts of each process

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mogrpo.checkpoint import sharded, store
-from mogrpo.train.distributed import DRAIN_S
+from mogrpo.trainer.distributed import DRAIN_S
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: architec
 from architectures import DROPOUT, FAMILIES, build_family  # noqa: E402
 from mogrpo.config import load_config  # noqa: E402
 from mogrpo.demo import demo_base, tokenizer_corpus  # noqa: E402
-from mogrpo.train.run import run_training  # noqa: E402
+from mogrpo.trainer.run import run_training  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from dp_worker import SHARDS, gradients
 
 from mogrpo.algo.choices import LOSS_AGGREGATIONS
-from mogrpo.train.distributed import Dist
+from mogrpo.trainer.distributed import Dist
 from multiproc import torchrun
 
 WORKER = Path(__file__).with_name("dp_worker.py")

@@ -126,7 +126,7 @@ def test_a_prompt_file_is_not_multiple_choice(b_model, tmp_path, capsys):
 
 def test_on_a_cpu_batches_reuse_freed_memory_as_training_steps_do(b_model, tmp_path,
                                                                    monkeypatch):
-    import mogrpo.train.host_memory as host_memory
+    import mogrpo.kernels.cpu.host_memory as host_memory
 
     calls = []
     monkeypatch.setattr(host_memory, "apply_host_memory", lambda *a: calls.append(a))

@@ -134,7 +134,7 @@ def test_sigkill_during_the_final_save_writes_the_end_eval_once(tmp_path, tiny_m
     cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 4, **EVERY_STEP_EVAL)
     # the process kills itself when it starts saving the final model, after the `end` eval
     kill_in_final_save = (
-        "import os, signal, sys; import mogrpo.train.run as run; "
+        "import os, signal, sys; import mogrpo.trainer.run as run; "
         "run.save_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
         "from mogrpo.cli import main; sys.exit(main(['train', sys.argv[1]]))")
     done = subprocess.run([sys.executable, "-c", kill_in_final_save, str(cut)],

@@ -15,9 +15,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: fake_vllm
 from fake_vllm import FakeLLM, FakeSamplingParams  # noqa: E402
-from mogrpo.config import load_config  # noqa: E402
+from mogrpo.config import (
+    engines,  # noqa: E402
+    load_config,  # noqa: E402
+)
 from mogrpo.rollout import vllm_engine  # noqa: E402
-from mogrpo.train.run import run_training  # noqa: E402
+from mogrpo.trainer.run import run_training  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +31,7 @@ def main() -> None:
         built.append(FakeLLM(**kwargs))
         return built[-1]
 
-    vllm_engine.vllm_unavailable_reason = lambda: None  # no GPU needed by the fake
+    engines.vllm_unavailable_reason = lambda: None  # no GPU needed by the fake
     vllm_engine.import_vllm = lambda: (llm, FakeSamplingParams)
     config, _ = load_config(config_path, [])
     run_training(config)

@@ -45,7 +45,8 @@ def decode_kernel(request, monkeypatch):
     """Each kernel the decode loop's products may run on (which one depends on the CPU: see
     `cpu_linear.decode_on_onednn` and `decode_on_mkl`), whatever this machine's CPU: the BLAS
     on weights as they are, MKL on packed weights, or oneDNN."""
-    from mogrpo.algo import cpu_linear, mkl_packed
+    from mogrpo.kernels.cpu import linear as cpu_linear
+    from mogrpo.kernels.cpu import mkl_packed
 
     if request.param == "onednn" and not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")

@@ -180,7 +180,7 @@ class TwoProcesses:
 
 @pytest.mark.parametrize("combine", ["sum_then_normalize", "normalize_then_sum"])
 def test_batch_scaling_over_processes_uses_the_std_of_every_processes_groups(combine):
-    from mogrpo.train.grpo import all_process_advantages
+    from mogrpo.trainer.grpo import all_process_advantages
 
     g = torch.Generator().manual_seed(0)
     rewards = torch.rand(5, 4, 2, generator=g) * torch.tensor([1.0, 10.0])  # [N, K, J]
@@ -199,7 +199,7 @@ def test_batch_scaling_over_processes_uses_the_std_of_every_processes_groups(com
 
 
 def test_a_process_without_groups_of_the_task_still_joins_and_gets_none():
-    from mogrpo.train.grpo import all_process_advantages
+    from mogrpo.trainer.grpo import all_process_advantages
 
     rewards = torch.tensor([[[1.0], [0.0]], [[0.5], [0.0]]])  # [2, K=2, J=1]
     rows = [rewards.tolist(), []]

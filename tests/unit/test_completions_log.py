@@ -11,7 +11,7 @@ import torch
 
 from mogrpo.data.schema import Example
 from mogrpo.tracking.trackers import MlflowTracker, TensorBoardTracker, markdown
-from mogrpo.train.completions import CompletionLog, completion_rows, table
+from mogrpo.trainer.completions import CompletionLog, completion_rows, table
 
 CHAT = [{"role": "user", "content": "2+2?"}]
 

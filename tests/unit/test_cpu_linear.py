@@ -3,15 +3,14 @@ log-probs and gradients from a model forward run inside `cpu_linears`."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 
-from mogrpo.algo import cpu_linear, mkl_packed
-from mogrpo.algo.cpu_linear import (
+from mogrpo.kernels.cpu import linear as cpu_linear
+from mogrpo.kernels.cpu import mkl_packed
+from mogrpo.kernels.cpu.linear import (
     cpu_linears,
     decode_linear,
     decode_weight,
@@ -81,7 +80,9 @@ def test_frozen_weight_gets_no_gradient_inside_the_context():
 
 
 def test_model_forward_logprobs_and_gradients_match_without_the_context(monkeypatch):
+    from mogrpo import kernels
     from mogrpo.algo import logprobs as logprobs_module
+    from mogrpo.algo.products import TORCH
 
     config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -96,18 +97,17 @@ def test_model_forward_logprobs_and_gradients_match_without_the_context(monkeypa
     apply = cpu_linear._Linear.apply
     monkeypatch.setattr(cpu_linear._Linear, "apply", lambda *a: calls.append(1) or apply(*a))
 
-    def run():
+    def run(products):
         model.zero_grad()
         logp, _ = logprobs_module.completion_logprobs(model, prompt, torch.ones_like(prompt),
-                                                      completion, mask)
+                                                      completion, mask, products=products)
         logp.sum().backward()
         return logp.detach(), [p.grad.clone() for p in model.parameters()]
 
-    on, on_grads = run()
+    on, on_grads = run(kernels.products())
     # q, k, v, o, gate, up, down per layer (the output head projects in head_logprobs)
     assert len(calls) == 2 * 7
-    monkeypatch.setattr(logprobs_module, "cpu_linears", lambda model: nullcontext())
-    off, off_grads = run()
+    off, off_grads = run(TORCH)  # PyTorch's own products: the model's linears left alone
     assert len(calls) == 14
     torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
     for a, b in zip(on_grads, off_grads, strict=True):

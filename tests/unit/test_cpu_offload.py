@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, sys.argv[2])
 from architectures import family_config
 from mogrpo.config.sections import DistributedConfig
-from mogrpo.train.distributed import DRAIN_S, Dist
-from mogrpo.train.optim import build_optimizer
-from mogrpo.train.parallel import shard
+from mogrpo.trainer.distributed import DRAIN_S, Dist
+from mogrpo.trainer.optim import build_optimizer
+from mogrpo.trainer.parallel import shard
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
 weights = []

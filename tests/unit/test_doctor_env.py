@@ -44,7 +44,7 @@ def test_no_gpu_report_says_so_and_shows_cpu_and_ram(no_gpu):
     (True, "training on MKL (an Intel CPU: MKL runs its own AVX-512 code)"),
     (False, "training on oneDNN;")])
 def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, training):
-    from mogrpo.algo import cpu_linear
+    from mogrpo.kernels.cpu import linear as cpu_linear
 
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")
@@ -60,7 +60,7 @@ def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, tr
 
 
 def test_the_report_says_which_decode_step_runs(no_gpu, monkeypatch, tmp_path):
-    from mogrpo.rollout import cpu_kernel
+    from mogrpo.kernels.cpu import decode_step as cpu_kernel
 
     monkeypatch.setenv("MOGRPO_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")

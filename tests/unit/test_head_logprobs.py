@@ -134,7 +134,7 @@ def _logprobs_and_grads(model, batch, monkeypatch, *, full: bool, shared: bool):
     """(logp, entropy, every parameter's gradient) of one forward and backward."""
     with monkeypatch.context() as m:
         if full:  # today's path: the model's own [B, C, V] logits
-            m.setattr(logprobs, "output_head", lambda model: None)
+            m.setattr(logprobs, "output_head", lambda model, products=None: None)
         if not shared:
             m.setattr(logprobs, "shares_prompts", lambda model: False)
         logp, entropy = completion_logprobs(model, *batch, temperature=0.8, with_entropy=True)
@@ -189,7 +189,7 @@ def test_the_cap_is_applied_so_the_test_above_can_fail(monkeypatch):
     batch = _batch()
     capped = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=True)[0]
     monkeypatch.setattr(logprobs, "output_head",
-                        lambda model: OutputHead(model.get_output_embeddings()))
+                        lambda model, products=None: OutputHead(model.get_output_embeddings()))
     uncapped = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=True)[0]
     assert (capped - uncapped).abs().max() > 0.1
 
@@ -212,7 +212,7 @@ def test_a_forward_without_logits_to_keep(monkeypatch):
     model.get_output_embeddings().register_forward_hook(
         lambda m, args, out: seen.append((args[0].shape, out.shape)))
     monkeypatch.setattr(logprobs, "output_head",  # (the hook above would turn the path off)
-                        lambda model: OutputHead(model.get_output_embeddings()))
+                        lambda model, products=None: OutputHead(model.get_output_embeddings()))
     ours = _logprobs_and_grads(model, batch, monkeypatch, full=False, shared=False)
     # every position of every row reaches the head, which projects none of them
     assert seen == [((9, 7 + 6, 32), (9, 7 + 6, 0))] * 2  # with gradients, then without
@@ -284,7 +284,7 @@ def test_a_forward_keeps_far_less_for_the_backward_than_the_full_logits(monkeypa
     def saved(full: bool) -> int:
         with monkeypatch.context() as m:
             if full:
-                m.setattr(logprobs, "output_head", lambda model: None)
+                m.setattr(logprobs, "output_head", lambda model, products=None: None)
             return sum(_saved_storages(lambda: completion_logprobs(
                 model, *batch, temperature=0.8, with_entropy=True)).values())
 

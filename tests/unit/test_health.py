@@ -401,8 +401,8 @@ def _tiny_trainer(tmp_path, tiny_model_dir, **algorithm):
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.grpo import GRPOTrainer
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.grpo import GRPOTrainer
+    from mogrpo.trainer.run import build_context, seed_everything
 
     base = demo_base()
     base["model"]["name_or_path"] = str(tiny_model_dir)

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from mogrpo.algo import malloc
-from mogrpo.train import host_memory
+from mogrpo.kernels.cpu import host_memory, malloc
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
 
@@ -19,7 +18,7 @@ GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").s
 # within ~40: its last faults were at steps 16-37 in four runs of 80).
 _STEPS = """
 import resource, sys, torch
-from mogrpo.train.host_memory import keep_freed_memory
+from mogrpo.kernels.cpu.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory() is None
 torch.manual_seed(0)
@@ -40,7 +39,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 # when the script's argument is "keep".
 _MALLINFO = """
 import ctypes, sys
-from mogrpo.train.host_memory import keep_freed_memory
+from mogrpo.kernels.cpu.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory() is None
 libc = ctypes.CDLL(None)
@@ -103,8 +102,8 @@ def test_kept_memory_takes_large_blocks_from_the_heap_and_keeps_them():
 # such a block; a kept one is a mapping malloc does not see.
 _MAPPED = _MALLINFO + """
 import torch
-from mogrpo.algo import mkl_packed
-from mogrpo.algo.malloc import mapped
+from mogrpo.kernels.cpu import mkl_packed
+from mogrpo.kernels.cpu.malloc import mapped
 available = mkl_packed.works()  # (its check packs a weight: done before counting)
 before = libc.mallinfo2().hblks
 with mapped():
@@ -190,6 +189,6 @@ def test_setting_decides_where_it_applies(monkeypatch, setting, device, applied)
 
 def test_keep_that_cannot_apply_says_why(monkeypatch, caplog):
     monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: "not glibc")
-    with caplog.at_level("INFO", logger="mogrpo.train.host_memory"):
+    with caplog.at_level("INFO", logger="mogrpo.kernels.cpu.host_memory"):
         host_memory.apply_host_memory("keep", "cpu")
     assert "train.host_memory = keep has no effect here: not glibc" in caplog.text

@@ -108,10 +108,10 @@ def test_nproc_inside_a_launched_process_is_refused(torchrun, config, monkeypatc
 
 
 def test_one_process_trains_here(torchrun, config, monkeypatch):
-    import mogrpo.train.run
+    import mogrpo.trainer.run
 
     seen = []
-    monkeypatch.setattr(mogrpo.train.run, "run_training",
+    monkeypatch.setattr(mogrpo.trainer.run, "run_training",
                         lambda cfg, **kw: seen.append((cfg.train.micro_batch_size, kw)))
     assert main(["train", str(config), "--nproc", "1"]) == 0
     assert seen == [(4, {"resume": None, "allow_config_change": False})]

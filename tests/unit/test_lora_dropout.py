@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mogrpo.modeling.lora_dropout import FastDropout, keep_mask, use_fast_dropout
+from mogrpo.kernels.cpu.lora_dropout import FastDropout, keep_mask, use_fast_dropout
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3])
@@ -88,7 +88,7 @@ def test_lora_adapters_get_fast_dropout(rate):
 
 
 def test_sparse_draw_continues_the_gaps_past_a_shortfall():
-    from mogrpo.modeling.lora_dropout import _dropped
+    from mogrpo.kernels.cpu.lora_dropout import _dropped
 
     class EveryEntry:  # gaps of 1: far fewer gaps than entries, so the draw must continue
         def geometric(self, p, size):

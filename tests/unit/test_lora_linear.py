@@ -10,9 +10,10 @@ import torch
 import transformers
 from peft.tuners.lora import Linear as PeftLinear
 
-from mogrpo.algo import cpu_linear
+from mogrpo import kernels
 from mogrpo.algo.logprobs import completion_logprobs
-from mogrpo.modeling import lora_linear
+from mogrpo.kernels.cpu import linear as cpu_linear
+from mogrpo.kernels.cpu import lora_linear
 from mogrpo.modeling.load import LoraSettings, apply_lora
 
 
@@ -107,7 +108,8 @@ def test_gradient_of_the_shared_prompt_forward_matches_peft():
             layer.__class__ = lora_linear._fused_class() if fused else PeftLinear
         model.zero_grad()
         torch.manual_seed(3)
-        logp, _ = completion_logprobs(model, prompts, torch.ones_like(prompts), completions, mask)
+        logp, _ = completion_logprobs(model, prompts, torch.ones_like(prompts), completions, mask,
+                                      products=kernels.products())  # as the trainer calls it
         logp.sum().backward()
         results.append((logp.detach(), [p.grad.clone() for p in model.parameters()
                                         if p.requires_grad]))

@@ -286,7 +286,7 @@ def test_the_ladder_lowers_a_colocated_vllm_share_where_sampling_is_the_peak():
 
 def test_a_vllm_run_is_planned_on_a_machine_without_vllm_or_a_gpu(tmp_path: Path, capsys):
     from mogrpo.cli import main as mogrpo
-    from mogrpo.rollout.vllm_engine import vllm_unavailable_reason
+    from mogrpo.config.engines import vllm_unavailable_reason
 
     assert vllm_unavailable_reason() is not None  # this machine could not run it
     path = write_run(tmp_path, run_1b(rollout={"engine": "vllm"}))

@@ -14,9 +14,9 @@ from mogrpo.tracking import names
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mogrpo"
 # Whoever writes or reads the GRPO step's metrics.
-USERS = ["train/grpo.py", "train/metrics.py", "train/progress.py", "train/distributed.py",
+USERS = ["trainer/grpo.py", "trainer/metrics.py", "trainer/progress.py", "trainer/distributed.py",
          "health/monitor.py", "health/regression.py", "eval/report.py", "eval/quick_eval.py",
-         "eval/report_charts.py", "train/startup.py"]
+         "eval/report_charts.py", "trainer/startup.py"]
 NAMESPACED = re.compile(r"^(task|policy|rollout|time|throughput|memory|curriculum|eval)/")
 
 
@@ -31,8 +31,8 @@ def one_step(tmp_path_factory, tiny_model_dir) -> tuple[dict, list[tuple[str, li
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.grpo import GRPOTrainer
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.grpo import GRPOTrainer
+    from mogrpo.trainer.run import build_context, seed_everything
 
     base = demo_base()
     base["model"]["name_or_path"] = str(tiny_model_dir)

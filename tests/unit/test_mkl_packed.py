@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mogrpo.algo import mkl_packed
+from mogrpo.kernels.cpu import mkl_packed
 
 pytestmark = pytest.mark.skipif(not mkl_packed.works(),
                                 reason="this torch exports no MKL packed product")

@@ -19,7 +19,7 @@ import mogrpo
 from mogrpo.config import load_config
 from mogrpo.config.model_limits import position_limit, tokenizer_tokens
 from mogrpo.errors import ConfigError
-from mogrpo.train.startup import startup_summary
+from mogrpo.trainer.startup import startup_summary
 
 TASKS = {"t": {"data": "builtin:bias_probe", "rewards": ["mc_correct"]}}
 

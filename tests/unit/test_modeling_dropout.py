@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from architectures import build_family
+from mogrpo import kernels
 from mogrpo.algo.logprobs import completion_logprobs
 from mogrpo.algo.loss import grpo_loss
 from mogrpo.modeling import active_dropout, make_reference
@@ -71,10 +72,10 @@ def test_step_one_kl_is_zero_and_ratios_are_one(model_dirs, family, lora):
     policy.train()
     args = batch(tok, seed=1)
     with torch.no_grad():
-        old, _ = completion_logprobs(policy, *args)
+        old, _ = completion_logprobs(policy, *args, products=kernels.products())
         with reference.model() as ref_model:
-            ref, _ = completion_logprobs(ref_model, *args)
-    logp, _ = completion_logprobs(policy, *args)
+            ref, _ = completion_logprobs(ref_model, *args, products=kernels.products())
+    logp, _ = completion_logprobs(policy, *args, products=kernels.products())
     mask = args[3]
     out = grpo_loss(logp, old, torch.tensor([1.0, -0.5, 0.3]), mask, normalizer=3.0,
                     ref_logp=ref, beta=0.04)
@@ -96,8 +97,8 @@ def test_lora_dropout_stays_as_configured(model_dirs):
     policy.train()
     args = batch(tok)
     with torch.no_grad():
-        a, _ = completion_logprobs(policy, *args)
-        b, _ = completion_logprobs(policy, *args)
+        a, _ = completion_logprobs(policy, *args, products=kernels.products())
+        b, _ = completion_logprobs(policy, *args, products=kernels.products())
     assert not torch.equal(a, b)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mogrpo.train.optim import _chunks, build_optimizer, step_with_update_norms
+from mogrpo.trainer.optim import _chunks, build_optimizer, step_with_update_norms
 
 
 def _model_with_grads(seed: int = 0) -> torch.nn.Module:

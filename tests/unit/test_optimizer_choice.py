@@ -17,7 +17,7 @@ from transformers.optimization import Adafactor
 from mogrpo.checkpoint.store import load_checkpoint, load_weights, save_checkpoint
 from mogrpo.config.sections import TrainConfig
 from mogrpo.errors import ConfigError
-from mogrpo.train.optim import build_optimizer, train_optimizer
+from mogrpo.trainer.optim import build_optimizer, train_optimizer
 
 
 def _model() -> torch.nn.Module:
@@ -138,7 +138,7 @@ def test_a_resume_that_changed_the_optimizer_starts_its_state_afresh(monkeypatch
 
     from mogrpo.checkpoint import store
     from mogrpo.config import RunConfig, to_yaml
-    from mogrpo.train.state import RunState
+    from mogrpo.trainer.state import RunState
 
     def trained(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = _model()

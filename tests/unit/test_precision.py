@@ -38,8 +38,8 @@ def run_config(model_dir, tmp_path, **model):
 def trainer_for(model_dir, tmp_path, **model):
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.grpo import GRPOTrainer
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.grpo import GRPOTrainer
+    from mogrpo.trainer.run import build_context, seed_everything
 
     config = run_config(model_dir, tmp_path, **model)
     seed_everything(0)
@@ -61,7 +61,7 @@ def fixed_batch(tiny_model_dir, tmp_path_factory):
 
 def one_update(model_dir, tmp_path, batch, **model):
     """(weights after - before, AdamW's intended step from its state; both float64, flat)."""
-    from mogrpo.train.grpo import ScoredBatch
+    from mogrpo.trainer.grpo import ScoredBatch
 
     ctx, trainer = trainer_for(model_dir, tmp_path, **model)
     rollout, advantages = batch
@@ -184,7 +184,7 @@ def test_a_lora_run_loads_its_base_in_bfloat16_and_starts_at_kl_zero(tiny_model_
     config.lora.enabled = True
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.run import build_context
+    from mogrpo.trainer.run import build_context
 
     ctx = build_context(config, load_tasks(config))
     policy = ctx.policy
@@ -232,7 +232,7 @@ def test_pure_bf16_warns_once_at_startup_with_the_learning_rate_it_loses(
 
 
 def _adamw_states(ctx) -> list[torch.Tensor]:
-    from mogrpo.train.optim import build_optimizer
+    from mogrpo.trainer.optim import build_optimizer
 
     optimizer = build_optimizer(ctx.policy, LR, 0.0, (0.9, 0.999))
     for p in ctx.policy.parameters():
@@ -244,7 +244,7 @@ def _adamw_states(ctx) -> list[torch.Tensor]:
 def test_fp16_loss_scale_skips_an_overflow_and_keeps_accumulation_exact(
         tiny_model_dir, tmp_path, fixed_batch):
     from mogrpo.tracking import names
-    from mogrpo.train.grpo import ScoredBatch
+    from mogrpo.trainer.grpo import ScoredBatch
 
     rollout, advantages = fixed_batch
     n = rollout.batch_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mogrpo.train import distributed
+from mogrpo.trainer import distributed
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ def ctx(tiny_model_dir, tmp_path_factory):
     from mogrpo.config import load_config
     from mogrpo.demo import demo_base
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.run import build_context, seed_everything
 
     base = demo_base()
     base["model"]["name_or_path"] = str(tiny_model_dir)

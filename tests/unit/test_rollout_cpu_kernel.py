@@ -1,4 +1,4 @@
-"""The native engine's compiled CPU decode step (`mogrpo.rollout.cpu_kernel`): the same logits
+"""The native engine's compiled CPU decode step (`mogrpo.kernels.cpu.decode_step`): the same logits
 and caches as the Python step, step after step and as rows leave the batch; the families and
 layers it takes (Qwen3's per-head q/k norms, Gemma's norms and GELU among them); and the Python
 step wherever it cannot be built or is switched off."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from mogrpo.kernels.cpu import decode_step as cpu_kernel
 from mogrpo.modeling.load import LoraSettings, apply_lora
 from mogrpo.modeling.tiny import random_family_model
-from mogrpo.rollout import cpu_kernel
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.rollout.native import NativeDecoder
 
@@ -91,7 +91,7 @@ def assert_close_runs(compiled, python):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"])
 def test_compiled_step_gives_the_python_steps_logits_and_caches(family, tok, kernel, decode_kernel,
                                                                 monkeypatch):
-    from mogrpo.algo.mkl_packed import Packed
+    from mogrpo.kernels.cpu.mkl_packed import Packed
 
     model = model_of(family, tok)
     compiled = run_steps(model, tok, leave={2: [0, 2, 3, 5, 6, 7], 4: [1, 2, 5]})
@@ -269,7 +269,7 @@ def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_pa
     monkeypatch.setattr(cpu_kernel, "_build", no_compiler)
     cpu_kernel.module.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="mogrpo.rollout.cpu_kernel"):
+        with caplog.at_level(logging.WARNING, logger="mogrpo.kernels.cpu.decode_step"):
             assert cpu_kernel.module() is None
             assert cpu_kernel.module() is None
         lines = [r.getMessage() for r in caplog.records]
@@ -282,7 +282,7 @@ def test_a_failed_build_warns_once_and_decoding_goes_on(tok, monkeypatch, tmp_pa
         monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("built again"))
         cpu_kernel.module.cache_clear()
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mogrpo.rollout.cpu_kernel"):
+        with caplog.at_level(logging.WARNING, logger="mogrpo.kernels.cpu.decode_step"):
             assert cpu_kernel.module() is None
         directory = cpu_kernel.cache_directory() / cpu_kernel.build_name()
         assert f"ATen/ATen.h: No such file; delete {directory} to build it again" in \
@@ -297,7 +297,7 @@ def test_without_a_compiler_nothing_is_tried(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_kernel, "_build", lambda *a: pytest.fail("tried to build"))
     cpu_kernel.module.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="mogrpo.rollout.cpu_kernel"):
+        with caplog.at_level(logging.WARNING, logger="mogrpo.kernels.cpu.decode_step"):
             assert cpu_kernel.module() is None
         assert "(no C++ compiler 'no-such-compiler' to build it: install g++ or set CXX)" in \
             caplog.records[0].getMessage()

@@ -52,7 +52,7 @@ def training_logprobs(model, ro, temperature):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kernel):
-    from mogrpo.algo.mkl_packed import Packed
+    from mogrpo.kernels.cpu.mkl_packed import Packed
 
     model = family_model(family, tok)
     qkv = NativeDecoder(model).plain[0].qkv[0]
@@ -74,7 +74,8 @@ def test_greedy_completions_and_logprobs_match_generate(family, tok, decode_kern
 
 
 def test_the_output_head_is_laid_out_for_the_decode_kernel_up_to_a_size(tok, monkeypatch):
-    from mogrpo.algo import cpu_linear, mkl_packed
+    from mogrpo.kernels.cpu import linear as cpu_linear
+    from mogrpo.kernels.cpu import mkl_packed
     from mogrpo.rollout import projections
 
     if not mkl_packed.works():
@@ -186,7 +187,8 @@ def test_mkl_packs_of_small_models_reuse_the_last_rollouts_buffers(tok, monkeypa
     a larger model's are mapped for the rollout and unmapped after it."""
     import gc
 
-    from mogrpo.algo import cpu_linear, mkl_packed
+    from mogrpo.kernels.cpu import linear as cpu_linear
+    from mogrpo.kernels.cpu import mkl_packed
     from mogrpo.rollout import projections
 
     if not mkl_packed.works():
@@ -391,8 +393,7 @@ def test_complex_pairs_turn_q_and_k_as_rotate_half_does():
     """With each head's rows interleaved, one complex product per pair is the rotation of
     rotate_half; the decoder reorders q and k alike, so attention scores do not change.
     `_fuse` reorders the rows of the q, k and v projections as it joins them."""
-    from mogrpo.rollout.layer_ops import rotate_pairs, turn_halves, turn_tables
-    from mogrpo.rollout.layout import Attention
+    from mogrpo.rollout.layer_ops import Attention, rotate_pairs, turn_halves, turn_tables
     from mogrpo.rollout.projections import _fuse, pair_rows
 
     torch.manual_seed(0)
@@ -452,7 +453,7 @@ def test_held_projections_are_built_once_until_the_weights_change(tok):
     decode call while the weights stay as they are; an in-place change of any weight (an
     optimizer step, a load) or switching LoRA adapters builds them anew, and nothing is held
     after the context."""
-    from mogrpo.algo.cpu_linear import decode_linear
+    from mogrpo.kernels.cpu.linear import decode_linear
     from mogrpo.rollout import projections
 
     model = family_model("qwen2", tok)
@@ -483,7 +484,7 @@ def test_held_projections_are_built_once_until_the_weights_change(tok):
 
 
 def test_held_projections_follow_lora_adapters_switched_on_and_off(tok):
-    from mogrpo.algo.cpu_linear import decode_linear
+    from mogrpo.kernels.cpu.linear import decode_linear
     from mogrpo.rollout import projections
 
     model = apply_lora(family_model("llama", tok), LoraSettings(r=4, alpha=8, dropout=0.0))

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fake_vllm import FakeLLM, FakeSamplingParams
 from mogrpo.cli import main
+from mogrpo.config import engines
 from mogrpo.errors import ConfigError
 from mogrpo.modeling.load import LoraSettings, apply_lora
 from mogrpo.rollout import vllm_engine
@@ -43,7 +44,7 @@ def engine_for(model, llm: FakeLLM, sleep: bool = True) -> VLLMEngine:
 def test_missing_vllm_is_refused_with_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else object())
-    reason = vllm_engine.vllm_unavailable_reason()
+    reason = engines.vllm_unavailable_reason()
     assert "pip install 'mogrpo[vllm]'" in reason and "CUDA GPU" in reason
     with pytest.raises(ConfigError, match=r"pip install 'mogrpo\[vllm\]'"):
         vllm_engine.import_vllm()
@@ -52,12 +53,12 @@ def test_missing_vllm_is_refused_with_the_install_command(monkeypatch):
 def test_no_gpu_is_refused_even_with_vllm_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "needs a CUDA GPU and none is visible" in vllm_engine.vllm_unavailable_reason()
+    assert "needs a CUDA GPU and none is visible" in engines.vllm_unavailable_reason()
 
 
 def test_train_with_engine_vllm_on_this_machine_stops_at_config_time(tmp_path, capsys,
                                                                      monkeypatch):
-    monkeypatch.setattr(vllm_engine, "vllm_unavailable_reason",
+    monkeypatch.setattr(engines, "vllm_unavailable_reason",
                         lambda: "rollout.engine = vllm needs a CUDA GPU and none is visible")
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import mogrpo.train.grpo as grpo
+import mogrpo.trainer.grpo as grpo
 from mogrpo.rollout.projections import PLAIN_MAX_BYTES
 
 
@@ -19,7 +19,7 @@ def trainer_for(tmp_path, tiny_model_dir, lora: bool):
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.run import build_context, seed_everything
 
     base = demo_base()
     base["model"]["name_or_path"] = str(tiny_model_dir)
@@ -61,7 +61,7 @@ def test_each_rollout_starts_without_gradients_and_with_the_runs_copy_budget(
 
 def test_the_sft_warm_up_leaves_no_gradients_for_the_first_rollout(tmp_path, tiny_model_dir):
     from mogrpo.tracking.jsonl import MetricsWriter
-    from mogrpo.train.sft import run_sft
+    from mogrpo.trainer.sft import run_sft
 
     trainer = trainer_for(tmp_path, tiny_model_dir, lora=False)
     ctx = trainer.ctx

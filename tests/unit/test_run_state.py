@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mogrpo.train.state import repair_logs
+from mogrpo.trainer.state import repair_logs
 
 
 def write_lines(path, lines):

@@ -6,7 +6,7 @@ import pytest
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
-from mogrpo.train.sft import sft_target
+from mogrpo.trainer.sft import sft_target
 
 
 def example(**columns) -> Example:

@@ -155,7 +155,7 @@ sys.path.insert(0, sys.argv[2])
 from architectures import family_config
 from mogrpo.algo.logprobs import shares_prompts
 from mogrpo.rollout.scoring import score_hidden
-from mogrpo.train.distributed import DRAIN_S
+from mogrpo.trainer.distributed import DRAIN_S
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=300))
 sharded = AutoModelForCausalLM.from_config(family_config("qwen2", vocab_size=300))
@@ -179,7 +179,7 @@ time.sleep(DRAIN_S)  # gloo's threads finish before the interpreter shuts down
 
 def test_ddp_and_fsdp2_keep_the_one_pass_and_fsdp2_its_own_forward(tmp_path):
     # their hooks expect one forward per backward (a one-process gloo group, in a process of
-    # its own, left as train/distributed.process_group leaves one)
+    # its own, left as trainer/distributed.process_group leaves one)
     from multiproc import run
 
     tests = str(Path(__file__).resolve().parents[1])
@@ -245,7 +245,7 @@ def test_scoring_forward_handles_one_token():
 @pytest.fixture(params=["mkl", "onednn"])
 def training_kernel(request, monkeypatch):
     """Both kernels the training products may run on (`cpu_linear.training_on_onednn`)."""
-    from mogrpo.algo import cpu_linear
+    from mogrpo.kernels.cpu import linear as cpu_linear
 
     if request.param == "onednn" and not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")

@@ -9,7 +9,7 @@ import torch
 from mogrpo.config import load_config
 from mogrpo.data.schema import Example
 from mogrpo.tasks.task import Task
-from mogrpo.train.startup import startup_summary
+from mogrpo.trainer.startup import startup_summary
 
 
 def config(**tasks):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mogrpo.eval.quick_eval import format_quick_eval
-from mogrpo.train.metrics import reward_metrics
+from mogrpo.trainer.metrics import reward_metrics
 
 
 def test_quick_eval_table_has_the_documented_shape():

@@ -210,8 +210,8 @@ def test_training_steps_sample_from_the_server_and_push_after_each_optimizer_ste
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.grpo import GRPOTrainer
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.grpo import GRPOTrainer
+    from mogrpo.trainer.run import build_context, seed_everything
 
     llm, _, url = served
     base = demo_base()
@@ -267,7 +267,7 @@ def test_a_server_too_short_for_the_rollout_stops_the_run_before_any_step(
     from mogrpo.config import load_config
     from mogrpo.demo import demo_base
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.run import build_context
+    from mogrpo.trainer.run import build_context
 
     _, server, url = served
     server.max_model_len = 64  # as `mogrpo vllm-server MODEL --max-model-len 64`

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fake_vllm import FakeLLM, FakeSamplingParams
+from mogrpo.config import engines
 from mogrpo.rollout import vllm_engine
 from mogrpo.rollout.weights import checkpoint_state
 
@@ -28,8 +29,8 @@ def vllm_trainer(tmp_path, tiny_model_dir, monkeypatch, *overrides: str):
     from mogrpo.demo import demo_base
     from mogrpo.modeling.reference import make_reference
     from mogrpo.tasks.task import load_tasks
-    from mogrpo.train.grpo import GRPOTrainer
-    from mogrpo.train.run import build_context, seed_everything
+    from mogrpo.trainer.grpo import GRPOTrainer
+    from mogrpo.trainer.run import build_context, seed_everything
 
     built: list[FakeLLM] = []
 
@@ -37,7 +38,7 @@ def vllm_trainer(tmp_path, tiny_model_dir, monkeypatch, *overrides: str):
         built.append(FakeLLM(logprob=sampler_logprob, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(vllm_engine, "vllm_unavailable_reason", lambda: None)
+    monkeypatch.setattr(engines, "vllm_unavailable_reason", lambda: None)
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: (llm, FakeSamplingParams))
     base = demo_base()
     base["model"]["name_or_path"] = str(tiny_model_dir)
@@ -89,7 +90,7 @@ def test_engine_sleeps_through_the_update_and_gets_each_steps_weights(tmp_path, 
 
 def test_sampler_logprobs_weight_each_token_with_the_truncated_ratio(tmp_path, tiny_model_dir,
                                                                      monkeypatch):
-    import mogrpo.train.grpo as grpo
+    import mogrpo.trainer.grpo as grpo
 
     trainer, llm = vllm_trainer(tmp_path, tiny_model_dir, monkeypatch)
     calls = []
@@ -118,7 +119,7 @@ def test_sampler_logprobs_weight_each_token_with_the_truncated_ratio(tmp_path, t
 
 def test_correction_off_asks_for_no_logprobs_and_weights_nothing(tmp_path, tiny_model_dir,
                                                                 monkeypatch):
-    import mogrpo.train.grpo as grpo
+    import mogrpo.trainer.grpo as grpo
 
     trainer, llm = vllm_trainer(tmp_path, tiny_model_dir, monkeypatch,
                                 "rollout.vllm.importance_correction=false",

@@ -49,3 +49,7 @@ KL_CONTROLLERS: tuple[str, ...] = get_args(KLControllerKind)
 ScheduleKind = Literal["constant", "linear"]
 """How a reward weight changes over the steps."""
 SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
+
+OptimizerName = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor"]
+"""The optimizer: torch's AdamW, bitsandbytes' 8-bit AdamW (paged or not), or Adafactor."""
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)

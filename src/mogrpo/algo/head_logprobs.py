@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import linear, product, usable, weight_product
+from mogrpo.algo.products import TORCH, Products
 from mogrpo.errors import ConfigError
 
 # Logits computed together, in bytes of the float32 copy: small enough that a chunk's few
@@ -35,10 +35,12 @@ CHUNK_BYTES = 64 * 2**20
 @dataclass(frozen=True)
 class OutputHead:
     """The output head as `head_logprobs` projects with it: an `nn.Linear` (possibly tied to
-    the input embeddings) and the tanh cap the model applies to its logits, if any."""
+    the input embeddings), the tanh cap the model applies to its logits, if any, and the
+    products it multiplies with."""
 
     module: nn.Linear
     softcap: float | None = None
+    products: Products = TORCH
 
     @property
     def weight(self) -> Tensor:
@@ -85,7 +87,7 @@ def head_logprobs(hidden: Tensor, head: OutputHead, targets: Tensor, temperature
     check_temperature(temperature)
     weight, bias = head.weight, head.bias
     args = (hidden.contiguous(), weight, bias, targets.long(), float(temperature), head.softcap,
-            with_entropy)
+            with_entropy, head.products)
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if grads:
@@ -96,10 +98,10 @@ def head_logprobs(hidden: Tensor, head: OutputHead, targets: Tensor, temperature
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
-            softcap: float | None) -> tuple[Tensor, Tensor | None]:
+            softcap: float | None, products: Products) -> tuple[Tensor, Tensor | None]:
     """(z, tanh) for h [n, H]: z [n, V] = cap(h W^T + b) upcast, / temperature, as the
     full-logit path computes it; tanh the cap's tanh [n, V] (its backward needs it), or None."""
-    raw = linear(h, weight, bias)  # [n, V] in the model's dtype
+    raw = products.linear(h, weight, bias)  # [n, V] in the model's dtype
     tanh = None
     if softcap is not None:  # Gemma 2's order: / cap, tanh, * cap, in the model's dtype
         tanh = torch.tanh(raw / softcap)
@@ -109,8 +111,8 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
 
 
 def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-             temperature: float, softcap: float | None, with_entropy: bool
-             ) -> tuple[Tensor, Tensor, Tensor]:
+             temperature: float, softcap: float | None, with_entropy: bool,
+             products: Products) -> tuple[Tensor, Tensor, Tensor]:
     """(logp [N], entropy [N] or [0], logsumexp [N]), one chunk of tokens at a time."""
     N, dtype = hidden.shape[0], compute_dtype(weight.dtype)
     logp = hidden.new_empty(N, dtype=dtype)
@@ -118,7 +120,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tenso
     entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
     rows = chunk_rows(weight.shape[0], dtype)
     for s in range(0, N, rows):
-        z, _ = _logits(hidden[s:s + rows], weight, bias, temperature, softcap)  # [n, V]
+        z, _ = _logits(hidden[s:s + rows], weight, bias, temperature, softcap, products)
         lse[s:s + rows] = torch.logsumexp(z, dim=-1)
         picked = z.gather(-1, targets[s:s + rows, None]).squeeze(-1)  # [n]
         logp[s:s + rows] = picked - lse[s:s + rows]
@@ -134,11 +136,11 @@ class _HeadLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
                 targets: Tensor, temperature: float, softcap: float | None,
-                with_entropy: bool) -> tuple[Tensor, Tensor]:
+                with_entropy: bool, products: Products) -> tuple[Tensor, Tensor]:
         logp, entropy, lse = _forward(hidden, weight, bias, targets, temperature, softcap,
-                                      with_entropy)
+                                      with_entropy, products)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.softcap = temperature, softcap
+        ctx.temperature, ctx.softcap, ctx.products = temperature, softcap, products
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -147,7 +149,7 @@ class _HeadLogProb(torch.autograd.Function):
                  ) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        T, cap = ctx.temperature, ctx.softcap
+        T, cap, products = ctx.temperature, ctx.softcap, ctx.products
         grad_h = torch.empty_like(hidden) if need_h else None
         # weight and bias gradients summed over chunks in at least float32: a bf16 sum rounded
         # once per chunk would lose what the one product of the full-logit path keeps
@@ -156,7 +158,7 @@ class _HeadLogProb(torch.autograd.Function):
         rows = chunk_rows(weight.shape[0], compute_dtype(weight.dtype))
         for s in range(0, hidden.shape[0], rows):
             h, g = hidden[s:s + rows], grad[s:s + rows, None]  # [n, H], [n, 1]
-            z, tanh = _logits(h, weight, bias, T, cap)  # [n, V]
+            z, tanh = _logits(h, weight, bias, T, cap, products)  # [n, V]
             # logsumexp's backward as autograd writes it, -g * exp(z - lse), in place in z;
             # then the gathered entry's +g
             dz = z.sub_(lse[s:s + rows, None]).exp_().mul_(-g)
@@ -167,27 +169,18 @@ class _HeadLogProb(torch.autograd.Function):
             if tanh is not None:  # autograd's order: * cap, tanh's 1 - y^2, / cap
                 d_raw = d_raw * cap * (1 - tanh * tanh) / cap
             if need_h:
-                grad_h[s:s + rows] = _times(d_raw, weight)  # [n, H]
+                grad_h[s:s + rows] = products.times(d_raw, weight)  # [n, H]
             if need_w:  # [V, H]
                 if grad_w is None:
-                    grad_w = _times_t(d_raw, h).to(acc)
+                    grad_w = products.times_t(d_raw, h).to(acc)
                 elif grad_w.dtype == d_raw.dtype:  # in place: no [V, H] temporary
                     grad_w.addmm_(d_raw.t(), h)
                 else:
-                    grad_w.add_(_times_t(d_raw, h))
+                    grad_w.add_(products.times_t(d_raw, h))
             if need_b:
                 part = d_raw.sum(0)  # [V]
                 grad_b = part.to(acc) if grad_b is None else grad_b.add_(part)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
-
-def _times(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b, on the CPU training products' kernel for CPU float32 operands."""
-    return product(a, b.t()) if usable(a, b) else a @ b
-
-
-def _times_t(a: Tensor, b: Tensor) -> Tensor:
-    """a^T @ b, on the CPU training products' kernel for CPU float32 operands."""
-    return weight_product(a, b) if usable(a, b) else a.t() @ b

@@ -21,7 +21,6 @@ import transformers
 from packaging.version import Version
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import CPULinear, cpu_linears
 from mogrpo.algo.head_logprobs import (
     CHUNK_BYTES,
     OutputHead,
@@ -30,6 +29,7 @@ from mogrpo.algo.head_logprobs import (
     entropy_from,
     head_logprobs,
 )
+from mogrpo.algo.products import TORCH, Products
 
 
 def _scaled_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[slice, Tensor]]:
@@ -212,7 +212,7 @@ SOFTCAP_HEAD_TYPES = frozenset({"gemma2"})
 _OUTPUT_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def output_head(model: nn.Module) -> OutputHead | None:
+def output_head(model: nn.Module, products: Products = TORCH) -> OutputHead | None:
     """The head `completion_logprobs` projects the last hidden states with, chunk by chunk; None
     where the model's logits must come from its own forward: a family not known to output
     ``lm_head(hidden)`` (with Gemma 2's tanh cap at most), a config with an output scale, a
@@ -230,12 +230,12 @@ def output_head(model: nn.Module) -> OutputHead | None:
             any(getattr(config, name, None) is not None for name in _OUTPUT_SCALES):
         return None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if type(head) not in (nn.Linear, CPULinear) or "forward" in vars(head) \
+    if type(head) not in (nn.Linear, *products.linear_types) or "forward" in vars(head) \
             or head._forward_hooks or head._forward_pre_hooks:
         return None
     if sharded(model) or any(hasattr(m, "_orig_mod") for m in chain):
         return None
-    return OutputHead(head, None if softcap is None else float(softcap))
+    return OutputHead(head, None if softcap is None else float(softcap), products)
 
 
 @contextmanager
@@ -265,7 +265,7 @@ def _head_inputs(head: OutputHead | None) -> Iterator[list[Tensor]]:
 def _completion_outputs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
                         completion_ids: Tensor, completion_mask: Tensor,
                         groups: tuple[Tensor, Tensor] | None,
-                        head: OutputHead | None = None) -> Tensor:
+                        head: OutputHead | None = None, products: Products = TORCH) -> Tensor:
     """At the positions that predict each completion token: the last hidden states [B, C, H]
     that `head` projects, where it is given (`output_head`); else the logits [B, C, V].
 
@@ -280,8 +280,8 @@ def _completion_outputs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
     B, P = prompt_ids.shape
     C = completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)  # [B, P+C]
-    # CPU float32: the linears on the faster kernel, both passes
-    with cpu_linears(model), _head_inputs(head) as seen:
+    # the model's linears on the chosen products, both passes
+    with products.model_linears(model), _head_inputs(head) as seen:
         def out(result) -> Tensor:  # what the head saw, or the logits it gave
             return seen.pop() if head is not None else result.logits
 
@@ -327,6 +327,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     forward: Callable[..., Tensor | None] | None = None,
     share_prompts: bool | None = None,
+    products: Products = TORCH,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
@@ -353,22 +354,24 @@ def completion_logprobs(
     ``forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, groups)`` may
     compute the last hidden states [B, C, H] (after the final norm) of rows that share prompts
     instead (mogrpo's own forward, `mogrpo.rollout.scoring.score_hidden`), for models with a
-    plain head; where it returns None the model's forward runs.
+    plain head; where it returns None the model's forward runs. ``products``: the matrix
+    products of the head and of the model's linears (`mogrpo.kernels.products()` picks them
+    for the machine; PyTorch's own by default).
     """
     args = (prompt_ids, prompt_mask, completion_ids, completion_mask)
     share = shares_prompts(model) if share_prompts is None else share_prompts
     groups = distinct_prompts(prompt_ids, prompt_mask) if share else None
-    head = output_head(model)
+    head = output_head(model, products)
     keep = completion_mask.bool()  # [B, C]
     if head is None:
-        logits = _completion_outputs(model, *args, groups)  # [B, C, V]
+        logits = _completion_outputs(model, *args, groups, products=products)  # [B, C, V]
         logp, entropy = token_logprobs_and_entropy(logits, completion_ids, temperature,
                                                    with_entropy)
         return logp.masked_fill(~keep, 0.0), \
             entropy.masked_fill(~keep, 0.0) if entropy is not None else None
     hidden = forward(model, *args, groups) if forward and groups is not None else None
     if hidden is None:
-        hidden = _completion_outputs(model, *args, groups, head)  # [B, C, H]
+        hidden = _completion_outputs(model, *args, groups, head, products)  # [B, C, H]
     # only the completion's real tokens are projected; padding stays 0
     logp, entropy = head_logprobs(hidden[keep], head, completion_ids[keep], temperature,
                                   with_entropy)  # [n] each

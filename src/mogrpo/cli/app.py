@@ -11,7 +11,6 @@ import argparse
 import sys
 import traceback
 
-from mogrpo import __version__
 from mogrpo.cli import (
     checkpoints,
     config,
@@ -27,6 +26,7 @@ from mogrpo.cli import (
 from mogrpo.cli.console import setup_logging
 from mogrpo.errors import ExitCode, MogrpoError
 from mogrpo.memory import cli as memory
+from mogrpo.version import __version__
 
 EPILOG = """examples:
   mogrpo demo                                   build a tiny model and train it end to end

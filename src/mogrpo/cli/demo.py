@@ -33,7 +33,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     config = prepare_demo(args.out, args.seed, args.overrides)
     setup_logging(config.logging.level)
-    from mogrpo.train.run import run_training
+    from mogrpo.trainer.run import run_training
 
     summary = run_training(config)
     print(format_summary(summary))

@@ -69,11 +69,11 @@ def _cpu() -> dict[str, Any]:
             if line.startswith("model name"):
                 info["model"] = line.split(":", 1)[1].strip()
                 break
-    from mogrpo.algo.cpu_linear import kernels
-    from mogrpo.rollout.cpu_kernel import status
+    from mogrpo import kernels
 
-    info["kernels"] = kernels()  # which library computes the float32 products
-    info["decode_step"] = status()  # the native engine's CPU decode step: compiled or Python
+    # which library computes the float32 products; the native engine's CPU decode step:
+    # compiled or Python
+    info.update(kernels.describe())
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)

@@ -89,7 +89,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if settings.max_prompt_length is None:
         context = getattr(model.config, "max_position_embeddings", None) or 4096
         settings.max_prompt_length = max(1, context - settings.max_new_tokens)
-    from mogrpo.train.host_memory import apply_host_memory
+    from mogrpo.kernels import apply_host_memory
 
     # on a CPU, batch after batch reuses the memory the last one freed (as training steps do)
     apply_host_memory("auto", next(model.parameters()).device.type)

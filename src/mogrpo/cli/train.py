@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if (args.nproc or 1) > 1:
         check_processes(config, args.nproc)  # what the processes would refuse: before launching
         return launch(args, args.nproc)
-    from mogrpo.train.run import run_training
+    from mogrpo.trainer.run import run_training
 
     run_training(config, resume=args.resume, allow_config_change=args.allow_config_change)
     return 0

@@ -9,12 +9,11 @@ names none of them validates without it.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mogrpo.config.sections import ModelConfig, RunConfig
 
-OptimizerName = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor"]
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 """The optimizers bitsandbytes provides (CUDA only)."""
 GPU_EXTRA = "pip install 'mogrpo[gpu]'"

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mogrpo.config import engines
 from mogrpo.config.hardware import quantized_field, small_gpu_errors
 from mogrpo.config.machine import machine_errors
 from mogrpo.config.model_limits import model_errors
@@ -305,10 +306,8 @@ def _length_errors(config: RunConfig) -> list[str]:
 def _vllm_errors(config: RunConfig, machine: bool = True) -> list[str]:
     """`rollout.engine: vllm`: settings vLLM cannot honour, then (with `machine`) the machine:
     vLLM and CUDA."""
-    from mogrpo.rollout.vllm_engine import PENALTY_RANGE, vllm_unavailable_reason
-
     errors = []
-    low, high = PENALTY_RANGE
+    low, high = engines.PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(config.rollout, name)
         if not low <= value <= high:
@@ -324,7 +323,7 @@ def _vllm_errors(config: RunConfig, machine: bool = True) -> list[str]:
         errors.append("rollout.engine = vllm needs device: cuda (or auto on a GPU machine), "
                       "or a vllm-server on another machine (rollout.vllm.server_url)")
     elif machine:
-        reason = vllm_unavailable_reason()
+        reason = engines.vllm_unavailable_reason()
         if reason is not None:
             errors.append(reason)
     return errors

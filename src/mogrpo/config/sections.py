@@ -21,12 +21,12 @@ from mogrpo.algo.choices import (
     KLImportanceWeight,
     LossAggregation,
     LossType,
+    OptimizerName,
 )
 from mogrpo.config.base import Section
-from mogrpo.config.hardware import OptimizerName
+from mogrpo.config.curriculum import CurriculumConfig
+from mogrpo.config.health import HealthConfig
 from mogrpo.config.precision import Precision
-from mogrpo.health.config import HealthConfig
-from mogrpo.tasks.curriculum import CurriculumConfig
 
 RolloutEngine = Literal["auto", "native", "hf", "vllm"]
 

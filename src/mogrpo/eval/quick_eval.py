@@ -40,7 +40,7 @@ class TaskEval:
 
 
 class Processes(Protocol):
-    """The training processes (`mogrpo.train.distributed.Dist`): who evaluates which prompts."""
+    """The training processes (`mogrpo.trainer.distributed.Dist`): who evaluates which prompts."""
 
     def shard(self, items: list) -> list: ...
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from mogrpo.eval.report import RunFiles
+    from mogrpo.eval.run_files import RunFiles
 
 CHARTS = ("reward", "kl", "beta", "length", "eval", "pareto")
 """The charts, in the order the report shows them (`charts/NAME.png`)."""

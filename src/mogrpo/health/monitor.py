@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mogrpo.config.health import HealthConfig
 from mogrpo.errors import ExitCode, MogrpoError
-from mogrpo.health.config import HealthConfig
 from mogrpo.health.regression import EvalRegression, Finding, RewardRegression, RunFacts
 from mogrpo.tracking import names
 

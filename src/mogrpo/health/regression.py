@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mogrpo.config.health import EvalRegressionConfig, RewardRegressionConfig
 from mogrpo.eval.pareto import Point, pareto_front
-from mogrpo.health.config import EvalRegressionConfig, RewardRegressionConfig
 from mogrpo.health.stats import StepNoise, mann_whitney_greater, score_error
 from mogrpo.tracking import names
 

@@ -4,7 +4,7 @@
 process reached) and `cli` (`mogrpo memory`).
 """
 
-from mogrpo.memory.cli import add_parser, cmd_memory, load_model_config, main, parse_size
+from mogrpo.memory.cli import add_parser, cmd_memory, main, parse_size
 from mogrpo.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -14,6 +14,7 @@ from mogrpo.memory.estimate import (
 )
 from mogrpo.memory.ladder import Step, ladder, scale_out
 from mogrpo.memory.measure import peak_bytes, reset_peak
+from mogrpo.memory.model_config import load_model_config
 
 __all__ = [
     "GIB", "MemoryEstimate", "Step", "Term", "add_parser", "cmd_memory",

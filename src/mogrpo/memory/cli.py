@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
@@ -11,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from mogrpo.config import load_config
-from mogrpo.errors import ConfigError, ExitCode, ModelError, MogrpoError
+from mogrpo.errors import ConfigError, ExitCode, MogrpoError
 from mogrpo.memory.estimate import GIB, estimate, reward_model_configs
 from mogrpo.memory.ladder import Step, ladder, scale_out
+from mogrpo.memory.model_config import load_model_config
 
 log = logging.getLogger(__name__)
 
@@ -30,30 +30,6 @@ def parse_size(text: str | int) -> int:
     decimal = bool(match[3]) and not match[4] and bool(match[5])  # "GB", not "GiB" / "G"
     scale = 1000 ** (" kmgt".index(unit)) if decimal else _UNITS[unit]
     return int(number * scale)
-
-
-def load_model_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """The model's config (a transformers config, or the raw dict) from config.json; offline."""
-    from transformers import AutoConfig
-
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelError(f"{path} has no config.json; the memory planner needs the model's "
-                         "config.json (pass the directory save_pretrained wrote)")
-    try:
-        return AutoConfig.from_pretrained(str(path) if path.is_dir() else name_or_path,
-                                          local_files_only=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        if path.is_dir():  # a model_type this transformers does not know: the raw dict will do
-            log.debug("AutoConfig failed (%s); reading %s/config.json directly", err, path)
-            return json.loads((path / "config.json").read_text(encoding="utf-8"))
-        raise ModelError(
-            f"model {name_or_path!r} is not a local directory and not in the Hugging Face cache; "
-            "the memory planner works offline and needs only its config.json: run "
-            f"`huggingface-cli download {name_or_path} config.json` and pass that directory "
-            "(or the config.json path) with --set model.name_or_path=PATH") from None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -552,7 +552,7 @@ def _reward_model_terms(run: RunConfig, configs: Mapping[str, Any], device: str,
 
 def reward_model_configs(run: RunConfig) -> dict[str, Any]:
     """The config of every reward model `reward_model_specs` lists that can be read offline."""
-    from mogrpo.memory.cli import load_model_config
+    from mogrpo.memory.model_config import load_model_config
 
     found: dict[str, Any] = {}
     for where, options in reward_model_specs(run).items():

@@ -18,14 +18,13 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from mogrpo import kernels
 from mogrpo.config.machine import accelerator_problems
 from mogrpo.config.model_limits import HUB_ID
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_targets
 from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
 from mogrpo.modeling.dropout import original_dropout_config
-from mogrpo.modeling.lora_dropout import use_fast_dropout
-from mogrpo.modeling.lora_linear import use_fused_lora
 from mogrpo.modeling.quantize import (
     check_bitsandbytes,
     is_quantized,
@@ -283,8 +282,8 @@ def apply_lora(
         # peft made of a float32 base (left as is) or a half-precision one
         if param.requires_grad and param.dtype != adapter_dtype:
             param.data = param.data.to(adapter_dtype)
-    use_fast_dropout(model)  # the same dropout, its masks drawn faster on CPUs
-    use_fused_lora(model)  # the same layers, their forward and backward fused on CPUs
+    # the same layers and dropout, fused and their masks drawn faster on CPUs
+    kernels.prepare_lora(model)
     return model
 
 

@@ -6,14 +6,31 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from mogrpo.rollout.layout import Attention, Norm
+
+@dataclass
+class Attention:
+    """One layer's attention projections and shapes."""
+
+    module: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    rotary: object  # the model family's apply_rotary_pos_emb
+    # Qwen3's RMSNorms of each q head and each k head (q_norm, k_norm), run between the
+    # projection and the rotation; None for the families without them
+    head_norms: tuple[nn.Module, nn.Module] | None = None
+
+
+Linear = tuple[Tensor, "Tensor | None"]  # (weight [out, in], bias [out] or None)
+Norm = tuple[Tensor, float]  # an RMSNorm's (weight [hidden], eps)
+
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 

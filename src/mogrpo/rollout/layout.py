@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from mogrpo.algo.logprobs import wrapper_chain
-from mogrpo.rollout.layer_ops import bound_norm, head_pair_order
+from mogrpo.rollout.layer_ops import Attention, Norm, bound_norm, head_pair_order
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 _STATIC_ROPE = ("default", "linear", "llama3")
@@ -53,24 +53,6 @@ def unsupported_reason(model: nn.Module, total_length: int) -> str | None:
         return f"prompt + completion ({total_length}) exceeds the sliding window ({window})"
     return None
 
-
-@dataclass
-class Attention:
-    """One layer's attention projections and shapes."""
-
-    module: nn.Module
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scaling: float
-    rotary: object  # the model family's apply_rotary_pos_emb
-    # Qwen3's RMSNorms of each q head and each k head (q_norm, k_norm), run between the
-    # projection and the rotation; None for the families without them
-    head_norms: tuple[nn.Module, nn.Module] | None = None
-
-
-Linear = tuple[Tensor, "Tensor | None"]  # (weight [out, in], bias [out] or None)
-Norm = tuple[Tensor, float]  # an RMSNorm's (weight [hidden], eps)
 
 # per model: (each layer's Attention, whether q and k can be turned together): `layout_of`
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -13,7 +13,7 @@ one, LoRA merged, laid out for the CPU's faster float32 kernel), so a layer cost
 and no module calls; a decode step writes the q/k/v and gate/up products into buffers it
 reuses (`cpu_linear.decode_product`). On CPUs the one-query attention of a decode step is
 three small operations instead of SDPA's padded flash kernel, and where the compiled step
-builds (`rollout/cpu_kernel.py`) a step's layers are one call.
+builds (`kernels/cpu/decode_step.py`) a step's layers are one call.
 
 Which models run here, and each layer's shapes: `rollout/layout.py`. The same layers over whole
 completions, for the passes that score them: `rollout/scoring.py`.
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import decode_add_product, decode_linear, decode_product
+from mogrpo import kernels
 from mogrpo.algo.logprobs import distinct_prompts, token_positions
-from mogrpo.rollout import cpu_kernel
+from mogrpo.kernels import decode_add_product, decode_linear, decode_product
 from mogrpo.rollout.layer_ops import (
     attend_one,
     bound_norm,
@@ -81,7 +81,7 @@ class NativeDecoder:
                                        padding_idx=embed.padding_idx) \
             if type(embed) is nn.Embedding and embed.max_norm is None else embed
         self.step_layers: list[tuple] | None = None  # see _step_layers
-        self.compiled = None  # cpu_kernel's step of these layers, where it runs them
+        self.compiled = None  # the compiled step of these layers (mogrpo.kernels), where it runs them
         self.compiled_head = False  # whether that step also computes the logits
         self.half_cos = self.half_sin = torch.empty(0)  # [T_max, 2, D/2]: see prefill
         self.freqs = torch.empty(0)  # [T_max, D/2] complex cos + i sin: see prefill
@@ -183,10 +183,10 @@ class NativeDecoder:
         S = column + 1
         x = self.embed(tokens)  # [B, H]
         if self.step_layers is None and self.compiled is None:  # the first step
-            self.compiled, self.compiled_head = cpu_kernel.decoder_stack(self, B)
+            self.compiled, self.compiled_head = kernels.compiled_decoder(self, B, x.device)
             if self.compiled is None:
                 self.step_layers = self._step_layers(B)
-        if self.compiled is not None:  # the same layers in one call (cpu_kernel)
+        if self.compiled is not None:  # the same layers in one call (kernels.cpu.decode_step)
             turn = torch.view_as_real(self.turns[column - self.prompt_columns])  # [B, D/2, 2]
             out = self.compiled.step(x, turn, self.bias, self.keys, self.values, column)
             self.length = S

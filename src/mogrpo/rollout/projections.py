@@ -1,6 +1,6 @@
 """The projections a native decode runs on: each layer's q/k/v and gate/up fused into one
 weight, LoRA adapters merged in, laid out for the CPU's faster float32 kernel
-(`mogrpo.algo.cpu_linear.decode_weight`: packed for MKL on Intel CPUs, for oneDNN elsewhere);
+(`mogrpo.kernels.decode_weight`: packed for MKL on Intel CPUs, for oneDNN elsewhere);
 built once per rollout (the weights change at every optimizer step), or once for many calls
 inside `held_projections`. Layers that cannot be made plain (quantised, DoRA) run their own
 modules. Under autocast (mixed precision: float32 master weights) the copies are made in its
@@ -17,14 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import decode_weight
-from mogrpo.algo.mkl_packed import KEEP_MAX_BYTES, Packed
 from mogrpo.errors import ModelError
-from mogrpo.rollout.layer_ops import pair_order
+from mogrpo.kernels import KEEP_MAX_BYTES, Packed, decode_weight
+from mogrpo.rollout.layer_ops import Attention, Linear, Norm, pair_order
 from mogrpo.rollout.layout import (
-    Attention,
-    Linear,
-    Norm,
     layout_of,
     rms_norm_of,
     unwrap_causal_lm,

@@ -13,15 +13,64 @@ engines sample the same distribution (tests compare the processed logits of the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
+from mogrpo.config.sections import RolloutConfig
+from mogrpo.errors import ConfigError
 from mogrpo.rollout.processors import NonFiniteGuard
 
-if TYPE_CHECKING:
-    from mogrpo.rollout.generate import SamplingSettings
+
+@dataclass
+class SamplingSettings:
+    """How completions are sampled during rollout."""
+
+    max_new_tokens: int = 64
+    """Upper bound on completion length; a completion reaching it without a stop is truncated."""
+    temperature: float = 1.0
+    """Softmax temperature (> 0); log-probs at training time must use the same value."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 turns top-k off."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1.0 turns it off."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top probability; 0.0 turns it off."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty over generated tokens."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty over generated tokens."""
+    repetition_penalty: float = 1.0
+    """CTRL-style repetition penalty (1.0 = off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion; empty = the tokenizer's and checkpoint's EOS ids."""
+    greedy: bool = False
+    """Argmax decoding (quick-eval); sampling fields are then ignored."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+            (self.greedy or self.temperature > 0, "temperature", "must be > 0 when sampling"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 turns it off)"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ConfigError(f"{name} = {getattr(self, name)!r} {rule}")
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, stop_token_ids: list[int] | None = None
+                     ) -> SamplingSettings:
+        """The settings a run's `rollout` section asks for: every field of this type that the
+        section has (the completion budget is the section's `completion_length`)."""
+        same = {f.name: getattr(rollout, f.name) for f in fields(cls)
+                if f.name in type(rollout).model_fields}
+        same["stop_token_ids"] = list(stop_token_ids if stop_token_ids is not None
+                                      else rollout.stop_token_ids)
+        return cls(max_new_tokens=rollout.completion_length, **same)
 
 
 class SamplingRules:

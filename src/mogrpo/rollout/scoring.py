@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mogrpo.algo.cpu_linear import linear, trained_linear
 from mogrpo.algo.logprobs import (
     distinct_prompts,
     output_head,
@@ -28,12 +27,10 @@ from mogrpo.algo.logprobs import (
     token_positions,
     wrapper_chain,
 )
+from mogrpo.kernels import linear, trained_linear
 from mogrpo.modeling.dropout import active_dropout
-from mogrpo.rollout.layer_ops import rms, sdpa, turn_halves, turn_tables
+from mogrpo.rollout.layer_ops import Attention, Linear, Norm, rms, sdpa, turn_halves, turn_tables
 from mogrpo.rollout.layout import (
-    Attention,
-    Linear,
-    Norm,
     layout_of,
     rms_norm_of,
     unsupported_reason,

@@ -26,7 +26,6 @@ different tokens.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -35,35 +34,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from mogrpo.config import engines
 from mogrpo.errors import ConfigError
 from mogrpo.rollout.native import Decoded
 from mogrpo.rollout.weights import checkpoint_weights
 
 if TYPE_CHECKING:
     from mogrpo.config import RunConfig
-    from mogrpo.rollout.generate import SamplingSettings
+    from mogrpo.rollout.sampling import SamplingSettings
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'mogrpo[vllm]'"
-PENALTY_RANGE = (-2.0, 2.0)  # vLLM's bounds on presence / frequency penalties
-REPETITION_RANGE = (0.0, 2.0)  # vLLM's bounds on the repetition penalty, (0, 2]
-
-
-def vllm_unavailable_reason() -> str | None:
-    """Why `rollout.engine: vllm` cannot run here (None when it can). Imports no vLLM."""
-    if importlib.util.find_spec("vllm") is None:
-        return (f"rollout.engine = vllm, but vLLM is not installed: `{INSTALL_HINT}` (vLLM needs "
-                "a CUDA GPU); or use rollout.engine: auto")
-    if not torch.cuda.is_available():
-        return ("rollout.engine = vllm needs a CUDA GPU and none is visible "
-                "(torch.cuda.is_available() is False); use rollout.engine: auto on this machine")
-    return None
-
-
 def import_vllm() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """vLLM's `LLM` and `SamplingParams`, or a ConfigError that says how to get them."""
-    reason = vllm_unavailable_reason()
+    reason = engines.vllm_unavailable_reason()
     if reason is not None:
         raise ConfigError(reason)
     # The engine core in this process: the weight push passes tensors by reference.

@@ -67,7 +67,7 @@ from mogrpo.rollout.weights import checkpoint_weights
 
 if TYPE_CHECKING:
     from mogrpo.config import RunConfig
-    from mogrpo.rollout.generate import SamplingSettings
+    from mogrpo.rollout.sampling import SamplingSettings
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from mogrpo.errors import ConfigError, MogrpoError
+from mogrpo.kernels import apply_host_memory
 from mogrpo.modeling.chat import has_chat_template, render_prompt
 from mogrpo.modeling.load import load_policy, resolve_model_dir
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.rollout.projections import held_projections
 from mogrpo.serve.api import RequestError, completion_response, make_handler, parse_request
-from mogrpo.train.host_memory import apply_host_memory
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """What every phase of a run works on: the config, the tasks, the loaded policy and how to
-sample from it (built by `mogrpo.train.run.build_context`), and the task's prompts rendered
+sample from it (built by `mogrpo.trainer.run.build_context`), and the task's prompts rendered
 for that policy's tokenizer."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from mogrpo import __version__
+from mogrpo.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -29,17 +29,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mogrpo.algo import mkl_packed
-from mogrpo.algo.mkl_packed import Packed
-
-if TYPE_CHECKING:
-    from mogrpo.rollout.native import NativeDecoder
+from mogrpo.kernels.cpu import mkl_packed
+from mogrpo.kernels.cpu.mkl_packed import Packed
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +170,21 @@ def _build(name: str, directory: Path):
                 verbose=False)
 
 
-def decoder_stack(decoder: NativeDecoder, rows: int) -> tuple[object | None, bool]:
-    """(The compiled step of a `NativeDecoder`'s layers for at most `rows` rows, whether it
+class DecoderWeights(Protocol):
+    """What `decoder_stack` reads of an engine's decoder (the native engine's `NativeDecoder`):
+    per layer its fused products and norms (`plain`), attention shapes and per-head q/k norms;
+    the final norm and the head."""
+
+    plain: list[Any] | None
+    attention: list[Any]
+    head_norms: list[Any]
+    final_norm: tuple[Tensor, float] | None
+    head_weight: Tensor | Packed | None
+    head: nn.Module
+
+
+def decoder_stack(decoder: DecoderWeights, rows: int) -> tuple[object | None, bool]:
+    """(The compiled step of a decoder's layers for at most `rows` rows, whether it
     computes the logits too), or (None, False) where it cannot run the layers: no compiled
     module here, or a layer whose norms are not RMSNorms, whose activation is neither SiLU nor
     tanh-GELU (`_activation`) or whose products are not float32 weights (MKL or oneDNN packed, or plain). The logits too where

@@ -1,4 +1,4 @@
-// The decoder layers of one native decode step on a CPU, in one call (see cpu_kernel.py).
+// The decoder layers of one native decode step on a CPU, in one call (see decode_step.py).
 //
 // A decode step of a small model is mostly the cost of launching its ~25 small operations a
 // layer (norms, rotation, cache writes, attention, activation, residual sums), each a few
@@ -29,7 +29,7 @@ namespace {
 using Compute = void (*)(int, int, int, int, int, int, const float*, int, const void*, int,
                          float, float*, int);
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151;
-constexpr int kSiLU = 0, kGeluTanh = 1;  // a layer's activation (cpu_kernel.ACTIVATIONS)
+constexpr int kSiLU = 0, kGeluTanh = 1;  // a layer's activation (decode_step.ACTIVATIONS)
 
 
 struct Product {

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mogrpo import kernels
 from mogrpo.algo.advantages import group_advantages
 from mogrpo.algo.dynamic_sampling import RefillBudget, informative_groups
 from mogrpo.algo.importance import truncated_importance_weights
@@ -44,12 +45,12 @@ from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
-from mogrpo.train.completions import CompletionLog, completion_rows
-from mogrpo.train.distributed import Dist
-from mogrpo.train.metrics import format_step, reward_metrics
-from mogrpo.train.optim import build_scheduler, step_with_update_norms, train_optimizer
-from mogrpo.train.parallel import ParallelPolicy
-from mogrpo.train.progress import Progress
+from mogrpo.trainer.completions import CompletionLog, completion_rows
+from mogrpo.trainer.distributed import Dist
+from mogrpo.trainer.metrics import format_step, reward_metrics
+from mogrpo.trainer.optim import build_scheduler, step_with_update_norms, train_optimizer
+from mogrpo.trainer.parallel import ParallelPolicy
+from mogrpo.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
 UPDATE_NORM_MAX_PARAMS = 50_000_000
@@ -291,13 +292,15 @@ class GRPOTrainer:
                 width = args[2].shape[1]
                 if need_old:
                     logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
-                                               forward=score_hidden, share_prompts=share)[0]
+                                               forward=score_hidden, share_prompts=share,
+                                               products=kernels.products())[0]
                     if keep:
                         old[rows, :width] = logp
                 if need_ref:
                     with self.reference.model() as ref_model:
                         logp = completion_logprobs(ref_model, *args, temperature=temperature,
-                                                   forward=score_hidden, share_prompts=share)[0]
+                                                   forward=score_hidden, share_prompts=share,
+                                                   products=kernels.products())[0]
                     if keep:
                         ref[rows, :width] = logp
         batch.old_logp, batch.ref_logp = old, ref
@@ -383,7 +386,8 @@ class GRPOTrainer:
         passes' arithmetic in fewer operations than the model's forward."""
         with self.ctx.precision.autocast():
             return completion_logprobs(policy, *args, temperature=self.ctx.sampling.temperature,
-                                       with_entropy=with_entropy, forward=score_hidden)
+                                       with_entropy=with_entropy, forward=score_hidden,
+                                       products=kernels.products())
 
     def _apply_gradients(self, totals: dict | None) -> float:
         """Clip the accumulated gradients and take the optimizer and scheduler steps; the

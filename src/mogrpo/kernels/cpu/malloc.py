@@ -1,5 +1,5 @@
 """glibc malloc's mmap threshold, where mogrpo moves it: raised for a CPU training process
-(`mogrpo.train.host_memory`, which records it here), and lowered for the few allocations that
+(`mogrpo.kernels.cpu.host_memory`, which records it here), and lowered for the few allocations that
 must not grow the heap (`mapped`).
 
 A raised threshold serves blocks of up to 32 MiB from the heap and keeps them there once

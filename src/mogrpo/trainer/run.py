@@ -22,6 +22,7 @@ from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.eval.quick_eval import QuickEval
 from mogrpo.eval.report import write_report
 from mogrpo.health import HealthStop
+from mogrpo.kernels import apply_host_memory
 from mogrpo.memory import estimate, reward_model_configs
 from mogrpo.modeling.load import (
     LoraSettings,
@@ -39,14 +40,13 @@ from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task, load_tasks
 from mogrpo.tracking.jsonl import MetricsWriter, Tee
 from mogrpo.tracking.trackers import Trackers
-from mogrpo.train.completions import COMPLETIONS_FILE, CompletionLog
-from mogrpo.train.distributed import Dist, process_group
-from mogrpo.train.grpo import GRPOTrainer
-from mogrpo.train.host_memory import apply_host_memory
-from mogrpo.train.parallel import ParallelPolicy, full_weights, parallelize
-from mogrpo.train.sft import run_sft
-from mogrpo.train.startup import startup_summary
-from mogrpo.train.state import RunState, open_checkpoint
+from mogrpo.trainer.completions import COMPLETIONS_FILE, CompletionLog
+from mogrpo.trainer.distributed import Dist, process_group
+from mogrpo.trainer.grpo import GRPOTrainer
+from mogrpo.trainer.parallel import ParallelPolicy, full_weights, parallelize
+from mogrpo.trainer.sft import run_sft
+from mogrpo.trainer.startup import startup_summary
+from mogrpo.trainer.state import RunState, open_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ add tensors of the largest shape).
 from the heap and up to TRIM_THRESHOLD of free heap top stays with the process. The peak is
 the same (every step reaches it again); the memory goes back when the process ends. Blocks
 whose pages are mostly never written (MKL's packed decode weights) still never grow the heap:
-see `mogrpo.algo.malloc`.
+see `mogrpo.kernels.cpu.malloc`.
 
 It also turns glibc's fastbins off (M_MXFAST 0; its per-thread cache still serves the
 smallest blocks). A freed block of up to 128 bytes waits in a fastbin unmerged, and the next
@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 
-from mogrpo.algo import malloc
+from mogrpo.kernels.cpu import malloc
 
 log = logging.getLogger(__name__)
 

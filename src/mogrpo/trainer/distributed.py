@@ -5,7 +5,7 @@ Each process scores its own prompts' groups and backpropagates its micro-batches
 divided by the *global* normaliser of the optimizer step (`algo.loss.loss_normalizer` values
 are sums — sequences, tokens, sequences × budget — so the global one is the all-reduced sum,
 `Dist.sum`). Gradients and weights are never communicated here: PyTorch's DDP or FSDP2 sum
-the gradients and start every process from process 0's weights (`mogrpo.train.parallel`).
+the gradients and start every process from process 0's weights (`mogrpo.trainer.parallel`).
 Metrics are combined here (`reduce_metrics`). With one process every call is a no-op and
 nothing touches torch.distributed.
 """

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from mogrpo.config.hardware import BNB_OPTIMIZERS, GPU_EXTRA, OptimizerName, bitsandbytes_problem
+from mogrpo.algo.choices import OPTIMIZERS
+from mogrpo.config.hardware import BNB_OPTIMIZERS, GPU_EXTRA, bitsandbytes_problem
 from mogrpo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def build_optimizer(
         return Adafactor(params, lr=lr, weight_decay=weight_decay, scale_parameter=False,
                          relative_step=False, warmup_init=False)
     if kind != "adamw":
-        raise ConfigError(f"train.optimizer = {kind!r} is not one of {list(get_args(OptimizerName))}")
+        raise ConfigError(f"train.optimizer = {kind!r} is not one of {list(OPTIMIZERS)}")
     try:
         # One fused kernel for every tensor (CPU and CUDA): many times faster than the default
         # per-tensor loop when a model has many small tensors, as LoRA adapters do.

@@ -14,8 +14,8 @@ from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.templates import placeholders
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
-from mogrpo.train.optim import build_optimizer, build_scheduler
-from mogrpo.train.progress import Progress
+from mogrpo.trainer.optim import build_optimizer, build_scheduler
+from mogrpo.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from mogrpo.eval.quick_eval import QuickEval
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tracking.jsonl import MetricsWriter, rewrite_jsonl, truncate_jsonl
 from mogrpo.tracking.trackers import Trackers
-from mogrpo.train.completions import COMPLETIONS_FILE
-from mogrpo.train.distributed import Dist, weights_checksum
-from mogrpo.train.grpo import GRPOTrainer
+from mogrpo.trainer.completions import COMPLETIONS_FILE
+from mogrpo.trainer.distributed import Dist, weights_checksum
+from mogrpo.trainer.grpo import GRPOTrainer
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from mogrpo.algo.malloc import mapped
+from mogrpo.kernels.cpu.malloc import mapped
 
 # CBLAS's enumerations (mkl_cblas.h)
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
@@ -85,7 +85,7 @@ def cblas() -> SimpleNamespace | None:
 
 def compute_address() -> int:
     """The address of MKL's `cblas_sgemm_compute`, for compiled code that calls it directly
-    (`mogrpo.rollout.cpu_kernel`)."""
+    (`mogrpo.kernels.cpu.decode_step`)."""
     functions = cblas()
     if functions is None:
         raise RuntimeError("this PyTorch build exports no MKL packed product")
@@ -119,7 +119,7 @@ class _Mapping:
 class _Block:
     """A buffer for one rollout: a block from malloc, taken where it fits among the free heap
     memory a process keeps (`train.host_memory`: those pages are in memory already), else
-    mapped on its own (`mogrpo.algo.malloc.mapped`: never from heap grown for it, where the
+    mapped on its own (`mogrpo.kernels.cpu.malloc.mapped`: never from heap grown for it, where the
     pages MKL does not write would become resident once other tensors reuse them)."""
 
     __slots__ = ("address", "nbytes", "_tensor")

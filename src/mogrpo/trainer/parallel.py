@@ -33,7 +33,7 @@ from mogrpo.config.sections import DistributedConfig
 from mogrpo.errors import ModelError
 from mogrpo.modeling.reference import Reference, make_reference
 from mogrpo.rollout.layout import unwrap_causal_lm
-from mogrpo.train.distributed import Dist
+from mogrpo.trainer.distributed import Dist
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -28,8 +28,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from mogrpo.algo import cpu_linear
-from mogrpo.modeling.lora_dropout import FastDropout, dropped_positions
+from mogrpo.kernels.cpu import linear as cpu_linear
+from mogrpo.kernels.cpu.lora_dropout import FastDropout, dropped_positions
 
 _PLAIN = {nn.Linear, cpu_linear.CPULinear}
 
@@ -124,7 +124,7 @@ def _fused_class() -> type:
     from peft.tuners.lora import Linear
 
     class FusedLoraLinear(Linear):
-        """peft's LoRA `Linear`, its forward fused on CPUs (see `mogrpo.modeling.lora_linear`)."""
+        """peft's LoRA `Linear`, its forward fused on CPUs (see `mogrpo.kernels.cpu.lora_linear`)."""
 
         def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
             found = None if args or kwargs else _fused_inputs(self, x)

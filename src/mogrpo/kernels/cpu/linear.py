@@ -62,8 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mogrpo.algo import mkl_packed
-from mogrpo.algo.mkl_packed import Packed
+from mogrpo.algo.products import Products
+from mogrpo.kernels.cpu import mkl_packed
+from mogrpo.kernels.cpu.mkl_packed import Packed
 
 
 @functools.cache
@@ -342,7 +343,7 @@ def _plain_strides(t: Tensor) -> bool:
 class CPULinear(nn.Linear):
     """An `nn.Linear` inside `cpu_linears`: its forward is `_Linear` where the training products
     run on oneDNN, else `F.linear` (and its mark lets peft's layers around it fuse: see
-    `mogrpo.modeling.lora_linear`)."""
+    `mogrpo.kernels.cpu.lora_linear`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return trained_linear(x, self.weight, self.bias)
@@ -362,7 +363,7 @@ def cpu_linears(model: nn.Module) -> Iterator[None]:
     """A context in which every `nn.Linear` of `model` — the model's own, peft's base layers,
     the output head — computes on the training products' kernel, forward and backward: oneDNN
     on `training_on_onednn` CPUs, else torch's own (MKL), with peft's LoRA layers fused around
-    them either way (`mogrpo.modeling.lora_linear`).
+    them either way (`mogrpo.kernels.cpu.lora_linear`).
 
     The layers are made `CPULinear` for the context and plain `nn.Linear` again after it:
     only the linears pay for the switch (a mode intercepting every torch call of the forward
@@ -381,3 +382,19 @@ def cpu_linears(model: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.__class__ = nn.Linear
+
+
+def times(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b, on the training products' kernel for CPU float32 operands."""
+    return product(a, b.t()) if usable(a, b) else a @ b
+
+
+def times_t(a: Tensor, b: Tensor) -> Tensor:
+    """a^T @ b, on the training products' kernel for CPU float32 operands."""
+    return weight_product(a, b) if usable(a, b) else a.t() @ b
+
+
+PRODUCTS = Products(linear=linear, times=times, times_t=times_t, model_linears=cpu_linears,
+                    linear_types=(CPULinear,))
+"""The training products as the math takes them (`mogrpo.algo.products`): the rules above for
+CPU float32 tensors, PyTorch's own operators for anything else."""

@@ -1,0 +1,87 @@
+"""Code for one kind of hardware, chosen through one small interface.
+
+The math (`mogrpo.algo`) and the loop (`mogrpo.trainer`) never name a processor, and nothing
+outside this package imports one of its hardware packages: they call the functions here, which
+pick what runs for the tensors or the machine at hand. Each kind of hardware has a package of
+its own: `cpu/` today (see its docstring); a CUDA package (CUDA-graph decode) lands beside it,
+behind these same functions.
+
+- `products()`: the matrix products the math multiplies with (`mogrpo.algo.products`);
+- the native engine's decode products: `decode_weight` prepares a weight once, and
+  `decode_linear`, `decode_product`, `decode_add_product` multiply with it; `compiled_decoder`
+  runs a whole step's layers in one call where a compiled step exists;
+- `linear`, `trained_linear`: the training products for mogrpo's own forward (`score_hidden`);
+- `prepare_lora(model)`: LoRA layers fused and dropout masks drawn fast where that pays;
+- `apply_host_memory`: the C library's allocator told to keep a step's freed memory;
+- `describe()`: which kernels run here, for `mogrpo doctor`.
+
+Each function serves every device: where a hardware package has nothing faster it is PyTorch's
+own operator.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mogrpo.algo.products import Products
+
+# The names served by the CPU package, imported on first use (PEP 562): importing this package
+# (as `mogrpo.kernels.cpu.host_memory` does, before torch, to set the allocator) stays light.
+_SERVED = {
+    "KEEP_MAX_BYTES": "cpu.mkl_packed", "Packed": "cpu.mkl_packed",
+    "decode_weight": "cpu.linear", "decode_linear": "cpu.linear",
+    "decode_product": "cpu.linear", "decode_add_product": "cpu.linear",
+    "linear": "cpu.linear", "trained_linear": "cpu.linear",
+    "apply_host_memory": "cpu.host_memory",
+}
+__all__ = ["compiled_decoder", "describe", "prepare_lora", "products", *_SERVED]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SERVED:
+        raise AttributeError(f"module 'mogrpo.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"mogrpo.kernels.{_SERVED[name]}"), name)
+    globals()[name] = value  # later look-ups do not come here
+    return value
+
+
+def products() -> Products:
+    """The training products: on CPUs float32 products on oneDNN or MKL by CPU and shape
+    (`cpu.linear`), PyTorch's own operators for tensors on any other device or dtype."""
+    from mogrpo.kernels.cpu import linear
+
+    return linear.PRODUCTS
+
+
+def compiled_decoder(decoder: Any, rows: int, device: torch.device) -> tuple[object | None, bool]:
+    """(The compiled step of a decoder's layers for at most `rows` rows, whether it computes
+    the logits too), or (None, False) where no compiled step runs them: the CPU one
+    (`cpu.decode_step`) for float32 layers on a CPU; none yet on other devices. `decoder`: as
+    `cpu.decode_step.DecoderWeights` describes it."""
+    if device.type != "cpu":
+        return None, False
+    from mogrpo.kernels.cpu import decode_step
+
+    return decode_step.decoder_stack(decoder, rows)
+
+
+def prepare_lora(model: nn.Module) -> tuple[int, int]:
+    """(LoRA layers made fused, dropouts made fast): both act only on CPU float32 tensors and
+    leave every other call to peft's own code."""
+    from mogrpo.kernels.cpu.lora_dropout import use_fast_dropout
+    from mogrpo.kernels.cpu.lora_linear import use_fused_lora
+
+    return use_fused_lora(model), use_fast_dropout(model)
+
+
+def describe() -> dict[str, Any]:
+    """Which kernels compute here: the float32 products' library per use, and the native
+    engine's compiled decode step (built, or why not)."""
+    from mogrpo.kernels.cpu import decode_step, linear
+
+    return {"kernels": linear.kernels(), "decode_step": decode_step.status()}
