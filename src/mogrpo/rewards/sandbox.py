@@ -41,8 +41,9 @@ SANDBOX_DIR = "/sandbox"
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf")
 
-# Runs first inside the sandbox: sets the limits on itself, then becomes the command. (Limits
-# set here, not in a preexec_fn, which is unsafe with the reward's worker threads.)
+# Where util-linux's `prlimit` is missing: runs first inside the sandbox, sets the limits on
+# itself, then becomes the command. (Limits are set by the child, not in a preexec_fn, which is
+# unsafe with the reward's worker threads.)
 _LAUNCHER = """
 import os, resource, sys
 limits = dict(zip(("CPU", "AS", "FSIZE", "NPROC"), map(int, sys.argv[1:5])))
@@ -144,6 +145,18 @@ def _nproc_counted_per_namespace() -> bool:
         return False
 
 
+def _limit_prefix(limits: SandboxLimits, nproc: int, isolated: bool) -> list[str]:
+    """The command that sets the limits (and no new privileges) and then runs the rest: util-linux's
+    `prlimit` (and `setpriv`; bwrap already sets it) where found, else the Python launcher."""
+    values = {"cpu": int(limits.timeout) + 1, "as": limits.memory_mb * 2**20,
+              "fsize": limits.file_size_mb * 2**20, "nproc": nproc}
+    prlimit, setpriv = shutil.which("prlimit"), shutil.which("setpriv")
+    if prlimit and (isolated or setpriv):
+        prefix = [prlimit, "--core=0", *(f"--{k}={v}" for k, v in values.items() if v >= 0), "--"]
+        return prefix if isolated else [*prefix, setpriv or "", "--no-new-privs"]
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, *(str(v) for v in values.values())]
+
+
 def run_sandboxed(argv: Sequence[str], workdir: Path, limits: SandboxLimits,
                   isolation: Isolation, *, stdin: str = "",
                   readonly: Sequence[str] = ()) -> Outcome:
@@ -153,9 +166,7 @@ def run_sandboxed(argv: Sequence[str], workdir: Path, limits: SandboxLimits,
     read-only under isolation. Inside an isolated run `workdir` is `/sandbox`."""
     isolated = isolation.mode == "namespaces"
     nproc = limits.processes if isolated and _nproc_counted_per_namespace() else -1
-    launch = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(int(limits.timeout) + 1),
-              str(limits.memory_mb * 2**20), str(limits.file_size_mb * 2**20), str(nproc),
-              *argv]
+    launch = [*_limit_prefix(limits, nproc, isolated), *argv]
     command = [*_bwrap_prefix(workdir, [*interpreter_dirs(), *readonly]), *launch] if isolated \
         else launch
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
