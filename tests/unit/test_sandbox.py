@@ -158,3 +158,15 @@ def test_required_isolation_is_a_config_error_before_anything_loads(monkeypatch,
     config, _ = load_config(path, ["model.name_or_path=any/model", "sandbox.isolation=auto"],
                             environ={})
     assert config.sandbox.isolation == "auto"
+
+
+def test_the_runs_setting_reaches_the_code_rewards_unless_a_reward_sets_its_own():
+    from mogrpo.config import RewardConfig, RunConfig
+    from mogrpo.tasks.task import _reward
+
+    config = RunConfig(sandbox={"isolation": "off"})
+    for fn in ("code_tests", "verilog_tests"):
+        assert _reward("t", 0, RewardConfig(fn=fn), config)[2] == {"isolation": "off"}
+    own = RewardConfig(fn="code_tests", kwargs={"isolation": "required", "timeout": 2})
+    assert _reward("t", 0, own, config)[2] == {"isolation": "required", "timeout": 2}
+    assert _reward("t", 0, RewardConfig(fn="format"), config)[2] == {}
