@@ -17,6 +17,7 @@ from mogrpo.rewards.base import BUILTIN_REWARDS, resolve_reward, score
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
 from mogrpo.rewards.columns import reward_columns
+from mogrpo.rewards.verilog import verilog_tests
 
 PROMPTS = ["p"] * 4
 COMPLETIONS = ["Answer: A", "Answer: B", "答案：C", "no idea"]
@@ -124,7 +125,8 @@ def test_misaligned_column_is_a_bug_in_the_caller():
 
 def test_builtins_are_registered():
     assert BUILTIN_REWARDS == {"mc_correct": mc_correct, "format": format_reward,
-                               "length_penalty": length_penalty, "code_tests": code_tests}
+                               "length_penalty": length_penalty, "code_tests": code_tests,
+                               "verilog_tests": verilog_tests}
     assert resolve_reward(" format ") is format_reward
 
 
@@ -133,7 +135,7 @@ def test_unknown_builtin_suggests_and_lists():
         resolve_reward("mc_corect")
     assert str(err.value).startswith(
         "unknown reward 'mc_corect'; did you mean 'mc_correct'? built-in rewards: mc_correct, "
-        "format, length_penalty, code_tests."
+        "format, length_penalty, code_tests, verilog_tests."
     )
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "ENV_PREFIX", "AlgorithmConfig", "DataSource", "EvalConfig", "KLControlConfig", "LoggingConfig",
     "LoraConfig", "ModelConfig", "OutputConfig", "RewardConfig", "RolloutConfig", "RunConfig",
-    "SFTConfig", "Section", "Sourced", "TaskConfig", "TrainConfig", "VLLMConfig",
+    "SFTConfig", "SandboxConfig", "Section", "Sourced", "TaskConfig", "TrainConfig", "VLLMConfig",
     "callable_spec", "check_unknown_keys",
     "derive_lengths", "describe", "env_overrides", "field_reference", "flatten", "load_config",
     "parse_set", "parse_value", "read_yaml", "to_yaml", "validate",
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         RewardConfig,
         RolloutConfig,
         RunConfig,
+        SandboxConfig,
         SFTConfig,
         TaskConfig,
         TrainConfig,

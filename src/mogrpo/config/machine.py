@@ -1,6 +1,7 @@
 """What a run asks of this machine: a CUDA GPU where `device: cuda` says so, bfloat16 where the
 precision asks for it, flash-attention's package (bitsandbytes and CUDA for quantised weights
-and 8-bit optimizers: `mogrpo.config.hardware`).
+and 8-bit optimizers: `mogrpo.config.hardware`), Icarus Verilog for `verilog_tests`, and the
+namespaces `sandbox.isolation: required` asks of the code rewards.
 
 Checked by `validate` (`machine=True`) before any data or model loads, and again by the
 loaders for callers of the Python functions. torch is imported only when a check needs it (a
@@ -51,6 +52,7 @@ def machine_errors(config: RunConfig) -> list[str]:
         return [NO_CUDA]
     # 4-bit and 8-bit weights: `mogrpo.config.hardware.small_gpu_errors` (one message each)
     errors = accelerator_problems(mc.attn_implementation, config.device)
+    errors.extend(sandbox_errors(config))
     # only an explicit bfloat16 can fail: `auto` falls back to fp16-mixed on such a GPU
     precision = resolve_precision(mc.precision, mc.dtype, "cuda", bf16_supported=False)
     if config.device != "cpu" and "bf16" in precision and cuda_visible():
@@ -58,4 +60,35 @@ def machine_errors(config: RunConfig) -> list[str]:
 
         if not torch.cuda.is_bf16_supported():
             errors.append(no_bf16(precision, torch.cuda.get_device_name()))
+    return errors
+
+
+SANDBOXED_REWARDS = ("code_tests", "verilog_tests")
+
+
+def sandbox_errors(config: RunConfig) -> list[str]:
+    """The code rewards' needs: `iverilog` for `verilog_tests`, namespaces where isolation is
+    `required` (the rewards module is imported only when a task uses one of them)."""
+    used = [(f"tasks.{name}.rewards.{i}", r) for name, task in config.tasks.items()
+            for i, r in enumerate(task.rewards)
+            if isinstance(r.fn, str) and r.fn.strip() in SANDBOXED_REWARDS]
+    if not used:
+        return []
+    from mogrpo.errors import RewardError
+    from mogrpo.rewards.sandbox import resolve_isolation
+    from mogrpo.rewards.verilog import iverilog_missing
+
+    errors = []
+    if any(r.fn.strip() == "verilog_tests" for _, r in used):
+        missing = iverilog_missing()
+        if missing:
+            errors.append(f"{next(w for w, r in used if r.fn.strip() == 'verilog_tests')}: "
+                          f"{missing}")
+    for where, reward in used:
+        setting = reward.kwargs.get("isolation", config.sandbox.isolation)
+        try:
+            resolve_isolation(setting)
+        except RewardError as err:
+            errors.append(f"{where}: {err}")
+            break  # one machine, one reason
     return errors

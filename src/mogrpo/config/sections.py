@@ -104,9 +104,9 @@ def callable_spec(fn: Callable[..., Any]) -> str:
 
 class RewardConfig(Section):
     fn: str | Callable[..., Any]
-    """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`), `judge` (an LLM judge
-    over an OpenAI-compatible API, options under `kwargs`), `reward_model` (a sequence-classification
-    model, options under `kwargs`), or `package.module:function` / `path/file.py:function`; from
+    """A built-in reward (`mc_correct`, `format`, `length_penalty`, `code_tests`, `verilog_tests`),
+    `judge` (an LLM judge over an OpenAI-compatible API, options under `kwargs`), `reward_model`
+    (a sequence-classification model, options under `kwargs`), or `package.module:function` / `path/file.py:function`; from
     Python, the function itself."""
     weight: float | dict[str, Any] = 1.0
     """Weight of this objective in the advantage: a number, or a schedule
@@ -540,6 +540,15 @@ class DistributedConfig(Section):
     steps on the CPU. Slower steps; PyTorch offers no such offload without FSDP2."""
 
 
+class SandboxConfig(Section):
+    isolation: Literal["auto", "required", "off"] = "auto"
+    """How the code rewards (`code_tests`, `verilog_tests`) contain generated code: `auto`
+    isolates it with bubblewrap namespaces (no network, none of the user's files) where the
+    machine allows and otherwise runs the weaker `limits` mode (CPU, memory, file-size limits
+    and a timeout), saying so once; `required` refuses to run without isolation; `off` always
+    uses `limits`. A reward's own `kwargs.isolation` wins over this."""
+
+
 class RunConfig(Section):
     seed: int = 0
     """Seed for Python, NumPy and torch."""
@@ -571,6 +580,8 @@ class RunConfig(Section):
     """Stages that change the tasks' shares of the prompts as the run progresses."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Several processes: data parallel (DDP) or sharded (FSDP2)."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """How generated code is contained by the code rewards (see docs/rewards_code.md)."""
 
     _limit_notes: dict[str, str] = PrivateAttr(default_factory=dict)
 

@@ -3,13 +3,16 @@ summarise it, with the same reader and rules as `mogrpo train` and `mogrpo predi
 
 The summary is what a user checks before a long run: how many rows are usable, the answer
 letters' distribution (a skew shows at once), and prompt lengths in tokens of the tokenizer the
-run will use. Exit status 0 when every row is usable, 3 when a problem was found.
+run will use. Rows with a `testbench` and a `reference` (Verilog) have the reference simulated
+against the testbench: it must pass every check. Exit status 0 when every row is usable, 3
+when a problem was found.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -141,6 +144,41 @@ def summarize(check: FileCheck, tokenizer: Any | None = None,
     return lines
 
 
+def check_references(check: FileCheck) -> str | None:
+    """Simulate each row's Verilog `reference` against its `testbench`; a reference that does
+    not pass every check is an error of that row. The summary line, or None without such rows."""
+    rows = [ex for ex in check.examples
+            if isinstance(ex.columns.get("testbench"), str) and ex.columns.get("reference")]
+    if not rows:
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mogrpo.rewards.verilog import iverilog_missing, simulate
+
+    missing = iverilog_missing()
+    if missing:
+        return f"  references: not simulated: {missing}"
+
+    def run(ex: Example) -> Any:
+        top = ex.columns.get("top_module")
+        return simulate(str(ex.columns["reference"]), ex.columns["testbench"],
+                        top_module=top if isinstance(top, str) else None)
+
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(run, rows))
+    for ex, result in zip(rows, results, strict=True):
+        if result.status != "ok" or result.total == 0 or result.passed < result.total:
+            source, _, row = ex.source.rpartition(":")
+            check.problems.error(Problem(
+                source, int(row) if row.isdigit() else None, "reference",
+                f"the reference does not pass the row's testbench ({result.status}, "
+                f"{result.passed} of {result.total} checks)",
+                "fix the testbench or the reference (the testbench must report with "
+                "`MOGRPO_RESULT(passed, total))"))
+    good = sum(r.status == "ok" and 0 < r.total == r.passed for r in results)
+    return f"  references: {good} of {len(rows)} pass their testbench"
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     """The `mogrpo data check` command; returns the exit status."""
     path: Path = args.file
@@ -164,7 +202,10 @@ def cmd_data(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     found = False
     for check in checks:
+        references = check_references(check)  # first: its failures are the rows' problems
         print("\n".join(summarize(check, tokenizer, limit)))
+        if references:
+            print(references)
         for line in check.problems.warning_lines():
             print(f"  warning: {line}")
         if check.problems.errors:

@@ -39,12 +39,14 @@ from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
 from mogrpo.rewards.columns import reward_columns
+from mogrpo.rewards.verilog import verilog_tests
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "mc_correct": mc_correct,
     "format": format_reward,
     "length_penalty": length_penalty,
     "code_tests": code_tests,
+    "verilog_tests": verilog_tests,
 }
 _P = inspect.Parameter
 # What the trainer passes to every reward function by keyword (TRL's contract), besides the

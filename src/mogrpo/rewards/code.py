@@ -1,13 +1,11 @@
 """`fn: code_tests`: run a completion's Python code against the row's tests in a subprocess.
 
-Each completion runs in its own process: a fresh temporary directory as working directory, an
-environment with nothing but PATH (no API keys reach generated code), `python -I` (no user
-site, no PYTHON* variables), CPU-time, memory and file-size limits, and a wall-clock timeout
-after which the whole process group is killed. This contains runaway loops, memory bombs and
-stray files; it is not a security boundary against deliberately hostile code (the process can
-still reach the network and read what the user can) — for that, run training in a container.
-The result line carries a per-run nonce sent over stdin, so code that prints a fake result is
-not believed, and `passed` is capped at the number of test statements counted outside.
+Each completion runs in the sandbox of `mogrpo.rewards.sandbox`: its own temporary directory,
+a clean environment, `python -I` (no user site, no PYTHON* variables), CPU-time, memory,
+file-size and process limits, a wall-clock timeout after which everything it started is killed,
+and, where the machine allows (`sandbox.isolation`), no network and no view of the user's
+files. The result line carries a per-run nonce sent over stdin, so code that prints a fake
+result is not believed, and `passed` is capped at the number of test statements counted outside.
 
 The row's `tests` column holds Python statements, typically asserts. The score is the fraction
 of test statements that pass (`partial: true`, the default) or 1.0 only when all pass. A row
@@ -22,8 +20,6 @@ import json
 import os
 import re
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -34,20 +30,20 @@ from typing import Any
 
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import completion_text, per_completion
+from mogrpo.rewards.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
+
+__all__ = ["RunResult", "SandboxLimits", "code_tests", "extract_code", "run_tests"]
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.S)
 _MARK = "__MOGRPO_RESULT__"
+DEFAULT_LIMITS = SandboxLimits()
 
 # Runs inside the sandbox: the candidate code, then each top-level test statement on its own,
 # so one failing assert does not hide the others. Prints one marked JSON line.
 _RUNNER = f"""
-import ast, json, resource, sys
-timeout, memory, size = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+import ast, json, sys
 nonce = sys.stdin.readline().strip()  # marks the genuine result line; never on disk or argv
 sys.stdin.close()
-for kind, value in ((resource.RLIMIT_CPU, int(timeout) + 1), (resource.RLIMIT_AS, memory),
-                    (resource.RLIMIT_FSIZE, size), (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(kind, (value, value))
 code, tests = open("candidate.py", encoding="utf-8").read(), open("tests.py", encoding="utf-8").read()
 statements = ast.parse(tests).body
 namespace = {{"__name__": "__main__"}}
@@ -68,24 +64,6 @@ print("{_MARK}" + nonce + json.dumps({{"passed": passed, "total": len(statements
 
 
 @dataclass(frozen=True)
-class SandboxLimits:
-    """What one run may use."""
-
-    timeout: float = 5.0
-    """Wall-clock seconds before the process group is killed."""
-    memory_mb: int = 1024
-    """Address-space limit (RLIMIT_AS)."""
-    file_size_mb: int = 16
-    """Largest file the code may write (RLIMIT_FSIZE)."""
-
-    def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.memory_mb < 64 or self.file_size_mb < 1:
-            raise RewardError(
-                f"code_tests: timeout {self.timeout}, memory_mb {self.memory_mb}, file_size_mb "
-                f"{self.file_size_mb}: need timeout > 0, memory_mb >= 64 and file_size_mb >= 1")
-
-
-@dataclass(frozen=True)
 class RunResult:
     """How one completion did: tests passed of total, or why nothing ran."""
 
@@ -102,48 +80,31 @@ def extract_code(text: str, language: str = "python") -> str:
     return wanted[-1] if wanted else text
 
 
-def run_tests(code: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> RunResult:
-    """Run `code` then each statement of `tests` in a sandboxed subprocess."""
+def run_tests(code: str, tests: str, limits: SandboxLimits = DEFAULT_LIMITS,
+              isolation: Isolation | None = None) -> RunResult:
+    """Run `code` then each statement of `tests` in the sandbox (`isolation`: default `auto`)."""
     try:
         compile(code, "candidate.py", "exec")
     except (SyntaxError, ValueError):
         return RunResult(0, _count(tests), "syntax_error")
+    isolation = isolation or resolve_isolation("auto")
+    total = _count(tests)
+    nonce = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="mogrpo-code-") as tmp:
         Path(tmp, "candidate.py").write_text(code, encoding="utf-8")
         Path(tmp, "tests.py").write_text(tests, encoding="utf-8")
         Path(tmp, "runner.py").write_text(_RUNNER, encoding="utf-8")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0"}
-        # the runner sets the limits on itself before the candidate code runs (a preexec_fn
-        # is not safe with the reward's worker threads)
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "runner.py", str(limits.timeout),
-             str(limits.memory_mb * 2**20), str(limits.file_size_mb * 2**20)],
-            cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-        nonce = secrets.token_hex(16)
-        try:
-            out, _ = proc.communicate(nonce + "\n", timeout=limits.timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return RunResult(0, _count(tests), "timeout")
-        finally:
-            _kill_group(proc)  # whatever the code left running in its session
-    total = _count(tests)
+        outcome = run_sandboxed([sys.executable, "-I", "runner.py"], Path(tmp), limits,
+                                isolation, stdin=nonce + "\n")
+    if outcome.timed_out:
+        return RunResult(0, total, "timeout")
     mark = _MARK + nonce
-    for line in reversed(out.splitlines()):
+    for line in reversed(outcome.stdout.splitlines()):
         if line.startswith(mark):
             found = json.loads(line[len(mark):])
             status = f"error:{found['error']}" if "error" in found else "ok"
             return RunResult(min(int(found["passed"]), total), total, status)
     return RunResult(0, total, "crashed")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
-    proc.wait()
 
 
 def _count(tests: str) -> int:
@@ -162,6 +123,7 @@ def code_tests(
     timeout: float = 5.0,
     memory_mb: int = 1024,
     workers: int | None = None,
+    isolation: str = "auto",
     **_: Any,
 ) -> list[float | None]:
     """Fraction of the row's test statements the completion's code passes (see the module)."""
@@ -171,6 +133,7 @@ def code_tests(
     if language != "python":
         raise RewardError(f"code_tests runs Python only, got language {language!r}")
     limits = SandboxLimits(timeout=timeout, memory_mb=memory_mb)
+    contained = resolve_isolation(isolation)
     row_tests: Sequence[Any] = per_completion(tests, len(completions), "tests")
     for test in row_tests:
         if isinstance(test, str) and test.strip() and _count(test) == 0:
@@ -180,7 +143,8 @@ def code_tests(
         completion, test = pair
         if not isinstance(test, str) or not test.strip():
             return None
-        result = run_tests(extract_code(completion_text(completion), language), test, limits)
+        result = run_tests(extract_code(completion_text(completion), language), test, limits,
+                           contained)
         if result.total == 0:
             return None
         if partial:

@@ -16,6 +16,7 @@ from typing import Any
 
 from mogrpo.algo.schedules import WeightSchedule, from_config
 from mogrpo.config import RewardConfig, RunConfig, TaskConfig
+from mogrpo.config.machine import SANDBOXED_REWARDS
 from mogrpo.data.problems import ProblemLog
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_stream
@@ -95,7 +96,10 @@ def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
         judge = JudgeReward.from_options(reward.kwargs, where=f"tasks.{task}.rewards.{i}.kwargs",
                                          cache_dir=Path(config.output.dir))
         return reward.label, judge, {}
-    return reward.label, resolve_reward(reward.fn), dict(reward.kwargs)
+    kwargs = dict(reward.kwargs)
+    if reward.fn.strip() in SANDBOXED_REWARDS:
+        kwargs.setdefault("isolation", config.sandbox.isolation)
+    return reward.label, resolve_reward(reward.fn), kwargs
 
 
 def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
