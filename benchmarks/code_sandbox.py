@@ -21,8 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from mogrpo.rewards.sandbox import probe_isolation
 from mogrpo.rewards.verilog import verilog_tests
+from mogrpo.sandbox import probe_isolation
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [json.loads(line) for line in

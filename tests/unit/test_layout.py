@@ -19,7 +19,9 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "mogrpo"
 FLOORS = [
     {"errors", "templates", "version"},
     {"algo"},  # the math: pure functions on tensors
-    {"config", "kernels"},  # kernels: code for one kind of hardware, behind mogrpo.kernels
+    # kernels: code for one kind of hardware, behind mogrpo.kernels; sandbox: running code
+    # written by the policy, isolated where the machine allows
+    {"config", "kernels", "sandbox"},
     {"data", "modeling", "rollout", "rewards", "memory", "tracking"},
     {"tasks"},
     {"eval", "checkpoint", "health"},  # health reads evals: their Pareto front

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from mogrpo import sandbox
 from mogrpo.config import load_config
 from mogrpo.data.check import check_file, check_references
 from mogrpo.errors import ConfigError, RewardError
-from mogrpo.rewards import sandbox, verilog
+from mogrpo.rewards import verilog
 from mogrpo.rewards.base import check_reward_call, resolve_reward
-from mogrpo.rewards.sandbox import Isolation, SandboxLimits
 from mogrpo.rewards.verilog import (
     SimResult,
     extract_verilog,
@@ -23,6 +23,7 @@ from mogrpo.rewards.verilog import (
     simulate,
     verilog_tests,
 )
+from mogrpo.sandbox import Isolation, SandboxLimits
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "verilog"

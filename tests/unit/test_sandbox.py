@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from mogrpo import sandbox
 from mogrpo.config import load_config
 from mogrpo.errors import ConfigError, RewardError
-from mogrpo.rewards import sandbox
 from mogrpo.rewards.code import code_tests, run_tests
-from mogrpo.rewards.sandbox import Isolation, SandboxLimits, resolve_isolation
+from mogrpo.sandbox import Isolation, SandboxLimits, resolve_isolation
 
 NAMESPACES = Isolation("namespaces")
 LIMITS = Isolation("limits", "forced by the test")
@@ -136,7 +136,7 @@ def test_required_isolation_refuses_where_namespaces_are_refused(monkeypatch, ca
     sandbox._warn_once.cache_clear()
     with pytest.raises(RewardError, match=r"isolation = required.*Permission denied"):
         resolve_isolation("required")
-    with caplog.at_level(logging.WARNING, logger="mogrpo.rewards.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="mogrpo.sandbox"):
         assert resolve_isolation("auto") == refused
         assert resolve_isolation("auto") == refused
     said = [r.getMessage() for r in caplog.records]

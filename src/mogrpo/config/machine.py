@@ -11,6 +11,7 @@ config that asks for none of these costs no torch import).
 from __future__ import annotations
 
 import importlib.util
+import shutil
 
 from mogrpo.config.precision import resolve_precision
 from mogrpo.config.sections import RunConfig
@@ -64,6 +65,19 @@ def machine_errors(config: RunConfig) -> list[str]:
 
 
 SANDBOXED_REWARDS = ("code_tests", "verilog_tests")
+INSTALL_IVERILOG = ("install Icarus Verilog (Debian/Ubuntu: apt-get install iverilog; Fedora: "
+                    "dnf install iverilog; macOS: brew install icarus-verilog)")
+
+
+def iverilog_missing() -> str | None:
+    """Why `verilog_tests` cannot run on this machine (no `iverilog` or `vvp`), or None."""
+    missing = [tool for tool in ("iverilog", "vvp") if shutil.which(tool) is None]
+    if not missing:
+        return None
+    return (f"verilog_tests needs Icarus Verilog, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not on PATH: {INSTALL_IVERILOG}")
+
+
 
 
 def sandbox_errors(config: RunConfig) -> list[str]:
@@ -75,8 +89,7 @@ def sandbox_errors(config: RunConfig) -> list[str]:
     if not used:
         return []
     from mogrpo.errors import RewardError
-    from mogrpo.rewards.sandbox import resolve_isolation
-    from mogrpo.rewards.verilog import iverilog_missing
+    from mogrpo.sandbox import resolve_isolation
 
     errors = []
     if any(r.fn.strip() == "verilog_tests" for _, r in used):

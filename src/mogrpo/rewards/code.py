@@ -1,6 +1,6 @@
 """`fn: code_tests`: run a completion's Python code against the row's tests in a subprocess.
 
-Each completion runs in the sandbox of `mogrpo.rewards.sandbox`: its own temporary directory,
+Each completion runs in the sandbox of `mogrpo.sandbox`: its own temporary directory,
 a clean environment, `python -I` (no user site, no PYTHON* variables), CPU-time, memory,
 file-size and process limits, a wall-clock timeout after which everything it started is killed,
 and, where the machine allows (`sandbox.isolation`), no network and no view of the user's
@@ -30,7 +30,7 @@ from typing import Any
 
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import completion_text, per_completion
-from mogrpo.rewards.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
+from mogrpo.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
 
 __all__ = ["RunResult", "SandboxLimits", "code_tests", "extract_code", "run_tests"]
 

@@ -2,7 +2,7 @@
 
 The completion's last fenced ```verilog (or ```systemverilog, ```sv, untagged) block, else the
 whole completion, is compiled with the row's `testbench` by Icarus Verilog (`iverilog -g2012`)
-and simulated (`vvp`), both in the sandbox of `mogrpo.rewards.sandbox`.
+and simulated (`vvp`), both in the sandbox of `mogrpo.sandbox`.
 
 The testbench reports with the macro `` `MOGRPO_RESULT(passed, total) ``, which mogrpo defines
 at the top of the testbench file for each run: it prints a line carrying a per-run nonce that
@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mogrpo.config.machine import iverilog_missing
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import completion_text, per_completion
-from mogrpo.rewards.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
+from mogrpo.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
 
-INSTALL_IVERILOG = ("install Icarus Verilog (Debian/Ubuntu: apt-get install iverilog; Fedora: "
-                    "dnf install iverilog; macOS: brew install icarus-verilog)")
 RESULT_MACRO = "MOGRPO_RESULT"
 _MARK = "__MOGRPO_RESULT__"
 DEFAULT_LIMITS = SandboxLimits(timeout=10.0)
@@ -88,15 +87,6 @@ def forbidden_construct(source: str) -> str | None:
         if pattern.search(code):
             return name
     return None
-
-
-def iverilog_missing() -> str | None:
-    """Why `verilog_tests` cannot run on this machine (no `iverilog` or `vvp`), or None."""
-    missing = [tool for tool in ("iverilog", "vvp") if shutil.which(tool) is None]
-    if not missing:
-        return None
-    return (f"verilog_tests needs Icarus Verilog, but {' and '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not on PATH: {INSTALL_IVERILOG}")
 
 
 def _testbench_file(testbench: str, nonce: str) -> str:

@@ -1,4 +1,4 @@
-"""The sandbox that runs code written by the policy (`code_tests`, `verilog_tests`).
+"""The sandbox that runs code written by the policy (the rewards `code_tests`, `verilog_tests`).
 
 Every run gets its own temporary directory, an environment with nothing but PATH, CPU-time,
 address-space, file-size and process-count limits, no core dumps, no new privileges, its own
