@@ -3,6 +3,7 @@ link to a missing page or anchor fails the suite, and every page is reachable fr
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -58,3 +59,23 @@ def test_the_readme_links_only_to_files_that_exist():
     assert local, "the README links onward to the docs"
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_docs_commands_names_every_command_and_option():
+    from mogrpo.cli.app import build_parser
+
+    text = (DOCS / "commands.md").read_text(encoding="utf-8")
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]):
+        yield " ".join(path), None
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, [*path, name])
+            else:
+                yield from ((" ".join(path), o) for o in action.option_strings
+                            if o.startswith("--") and o != "--help")
+
+    missing = [f"{command} {option or ''}".strip() for command, option in walk(build_parser(), ["mogrpo"])
+               if (f"`{command}" not in text if option is None else option not in text)]
+    assert not missing, f"docs/commands.md does not mention: {missing} (see each one's --help)"
