@@ -137,10 +137,13 @@ def main() -> None:
                             text=True).stdout.strip() or "unknown"
     command = "python benchmarks/demo_seeds.py --seeds " + " ".join(map(str, args.seeds)) + \
         "".join(f" --set {o}" for o in args.overrides)
+    engine = next((o.split("=", 1)[1] for o in args.overrides
+                   if o.startswith("rollout.engine=")), "auto (the default)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         f"# `mogrpo demo`: greedy held-out accuracy (200 prompts per task) and KL per task\n\n"
-        f"Machine: {machine()}. Commit {commit}. Command: `{command}`\n\n{table}\n",
+        f"Machine: {machine()}. Commit {commit}. Rollout engine: {engine}. "
+        f"Command: `{command}`\n\n{table}\n",
         encoding="utf-8",
     )
     (args.out.with_suffix(".json")).write_text(json.dumps(results, indent=2), encoding="utf-8")

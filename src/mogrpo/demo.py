@@ -1,7 +1,7 @@
 """`mogrpo demo`: build a tiny model, SFT warm-up, GRPO on two built-in tasks, before/after.
 
 Nothing is downloaded: the model and its tokenizer are built from scratch on the tasks' text,
-deterministically from the seed, so the demo runs anywhere in a few minutes on 2 CPU cores.
+from the seed, so the demo runs anywhere in a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 
 What a user of the demo relies on: it learns both tasks on every seed, holds each task's KL in
 its band (the `dual` controllers), and a healthy run raises no health alert (no false alarms:
-every alert line in a demo would teach people to ignore them). The README's table is the same
-measurement over seeds 0-9 (`benchmarks/demo_seeds.py`)."""
+every alert line in a demo would teach people to ignore them). The README's table (docs/demo.md in
+full) is the same measurement over seeds 0-9 (`benchmarks/demo_seeds.py`)."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def test_sigkill_mid_step_then_resume_is_bit_identical(tmp_path, tiny_model, who
 
 def test_the_same_seed_on_the_same_machine_and_commit_repeats_the_run(tmp_path, tiny_model,
                                                                      whole_run):
-    """What "repeatable" means in the README: the same config and seed, run again on this
+    """What "repeatable" means in the README and docs/demo.md: the same config and seed, run again on this
     machine at this commit, give the same metrics, evals and weights, bit for bit. (Across
     CPUs it is not promised: their kernels round products differently.)"""
     again = write_config(tmp_path / "again.yaml", tiny_model, tmp_path / "again", 4,

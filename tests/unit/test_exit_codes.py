@@ -1,5 +1,5 @@
 """Every command's exit status: 0 ok, 1 internal error, 2 usage/config/data error, 3 a check
-found a problem, 130 interrupted (README "Exit status")."""
+found a problem, 130 interrupted (docs/commands.md, "Exit status")."""
 
 from __future__ import annotations
 
