@@ -7,7 +7,7 @@ import torch
 from grpo_batch import make_batch
 from mogrpo.algo.logprobs import token_logprobs
 from mogrpo.algo.loss import grpo_loss, loss_normalizer
-from mogrpo.trainer.grpo import length_buckets
+from mogrpo.rollout.batching import length_buckets
 
 
 def masks(prompt_lengths, completion_lengths, P=6, C=8):

@@ -90,7 +90,7 @@ def test_engine_sleeps_through_the_update_and_gets_each_steps_weights(tmp_path, 
 
 def test_sampler_logprobs_weight_each_token_with_the_truncated_ratio(tmp_path, tiny_model_dir,
                                                                      monkeypatch):
-    import mogrpo.trainer.grpo as grpo
+    import mogrpo.trainer.update as update
 
     trainer, llm = vllm_trainer(tmp_path, tiny_model_dir, monkeypatch)
     calls = []
@@ -99,8 +99,8 @@ def test_sampler_logprobs_weight_each_token_with_the_truncated_ratio(tmp_path, t
         calls.append((old.detach().clone(), mask.clone(), kwargs["importance_weights"]))
         return loss(logp, old, advantages, mask, **kwargs)
 
-    loss = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    loss = update.grpo_loss
+    monkeypatch.setattr(update, "grpo_loss", spy)
     metrics = trainer.train_step()
     assert llm.requests[0][1].logprobs == 0  # vLLM was asked for the sampled tokens' log-probs
     (old, mask, weights), = calls  # one micro-batch: row i * K + k is completion k of prompt i
@@ -119,14 +119,14 @@ def test_sampler_logprobs_weight_each_token_with_the_truncated_ratio(tmp_path, t
 
 def test_correction_off_asks_for_no_logprobs_and_weights_nothing(tmp_path, tiny_model_dir,
                                                                 monkeypatch):
-    import mogrpo.trainer.grpo as grpo
+    import mogrpo.trainer.update as update
 
     trainer, llm = vllm_trainer(tmp_path, tiny_model_dir, monkeypatch,
                                 "rollout.vllm.importance_correction=false",
                                 "rollout.vllm.sleep_during_update=false")
     seen = []
-    loss = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: seen.append(
+    loss = update.grpo_loss
+    monkeypatch.setattr(update, "grpo_loss", lambda *a, **kw: seen.append(
         kw["importance_weights"]) or loss(*a, **kw))
     metrics = trainer.train_step()
     assert llm.requests[0][1].logprobs is None and seen == [None]
