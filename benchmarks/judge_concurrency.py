@@ -6,7 +6,8 @@
 A local fault-injecting server (tests/judge_server.py, 127.0.0.1) answers every request after a
 fixed delay d. A JudgeReward with w workers and no cache judges n distinct completions; with
 perfect overlap that takes ceil(n/w) · d, so a ratio of 1.00 means the judge adds nothing but
-the server's own latency. Each (n, w) runs `--repeats` times; the median ratio is reported.
+the server's own latency. Throughput is n / wall (completions judged per second). Each (n, w)
+runs `--repeats` times; the medians are reported.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from judge_server import FaultServer, judge_options, reply  # noqa: E402
 from mogrpo.rewards.judge import JudgeReward  # noqa: E402
 
-CASES = [(8, 1), (8, 4), (8, 8), (16, 8), (32, 8), (64, 16)]
+CASES = [(8, 1), (8, 4), (8, 8), (16, 8), (32, 8), (64, 16), (256, 64)]
 
 
 def measure(n: int, workers: int, delay: float) -> dict:
@@ -40,7 +41,19 @@ def measure(n: int, workers: int, delay: float) -> dict:
         overlap = server.max_in_flight
     assert all(s == 0.5 for s in scores), "every call must be scored"
     ideal = math.ceil(n / workers) * delay
-    return {"wall_s": wall, "ideal_s": ideal, "ratio": wall / ideal, "max_in_flight": overlap}
+    return {"wall_s": wall, "ideal_s": ideal, "ratio": wall / ideal, "per_s": n / wall,
+            "max_in_flight": overlap}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (as `lscpu` shows it), or the architecture if unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def main() -> None:
@@ -58,21 +71,24 @@ def main() -> None:
                "wall_s_median": statistics.median(r["wall_s"] for r in runs),
                "ratio_median": statistics.median(r["ratio"] for r in runs),
                "ratio_max": max(r["ratio"] for r in runs),
+               "per_s_median": statistics.median(r["per_s"] for r in runs),
                "max_in_flight": min(r["max_in_flight"] for r in runs)}
         rows.append(row)
         print(f"d={delay:g} n={n:>3} w={workers:>2}  ideal {row['ideal_s']:.2f}s  wall {row['wall_s_median']:.2f}s"
               f"  ratio {row['ratio_median']:.3f} (max {row['ratio_max']:.3f})"
+              f"  {row['per_s_median']:.1f}/s"
               f"  in flight {row['max_in_flight']}")
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    machine = f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     head = ("| d | n | workers | ideal ceil(n/w)·d | wall (median) | ratio (median) | ratio (max) "
-            "| max in flight |")
+            "| judged/s (median) | max in flight |")
     lines = [
         "# Judge concurrency", "",
         f"{args.repeats} repeats per row, {machine}.",
         "ratio = wall / (ceil(n/w) · d); 1.00 is perfect overlap.", "",
-        head, "|---" * 8 + "|",
+        head, "|---" * 9 + "|",
         *(f"| {r['delay_s']:g} s | {r['n']} | {r['workers']} | {r['ideal_s']:.2f} s | {r['wall_s_median']:.2f} s | "
-          f"{r['ratio_median']:.3f} | {r['ratio_max']:.3f} | {r['max_in_flight']} |" for r in rows),
+          f"{r['ratio_median']:.3f} | {r['ratio_max']:.3f} | {r['per_s_median']:.1f} | {r['max_in_flight']} |"
+          for r in rows),
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
