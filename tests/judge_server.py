@@ -4,7 +4,7 @@ Binds 127.0.0.1 on an ephemeral port. Each request gets one scripted behaviour: 
 queued for a substring of its last message (`by_content`), else the next of `script`, else
 `default` (a behaviour or a function of the message text; by default the reply "7"). The server counts calls and the
 most requests it held in flight at once (from arrival until it starts answering), and records
-every request's body and headers. With `overlap=k`, each request waits (up to 10 s) until k
+every request's body and headers (an `http.client.HTTPMessage`: names case-insensitive). With `overlap=k`, each request waits (up to 10 s) until k
 requests have been in flight at once before its delay starts, so a test of concurrency does not
 depend on how fast a loaded machine starts the client's threads.
 
@@ -165,7 +165,9 @@ def _handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 server.calls += 1
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                server.requests.append({"body": data, "headers": dict(self.headers)})
+                # The message itself, not a dict: header names are case-insensitive (httpx sends
+                # them in lower case), and so is its .get().
+                server.requests.append({"body": data, "headers": self.headers})
                 server.overlapped.notify_all()
             try:
                 behaviour = server.choose(content)
