@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import json
 import logging
 import os
@@ -309,7 +310,8 @@ def _key(provider: Provider) -> str:
     return os.environ.get(provider.api_key_env, "") if provider.api_key_env else ""
 
 
-def _version() -> str:
+@functools.cache
+def _version() -> str:  # importlib.metadata reads files: milliseconds, so once per process
     try:
         return metadata.version("mogrpo")
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
