@@ -71,6 +71,27 @@ def test_no_room_imports_one_above_it():
     assert not upward, "\n".join(sorted(upward))
 
 
+def root_imports(path: Path) -> list[str]:
+    """`from mogrpo import X` / `import mogrpo` statements in a file, as `mogrpo.X` / `mogrpo`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "mogrpo" and node.level == 0:
+            found += [f"mogrpo.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "mogrpo"]
+    return found
+
+
+def test_only_the_top_layer_imports_the_package_root():
+    # The root hands out `train` and `Config` (the trainer and the API) on first use, so a room
+    # below the top that imports it — even for `__version__` — reaches upward through it.
+    top = LAYERS[-1]
+    found = [f"{path.relative_to(SRC)} imports {name}" for path in SRC.rglob("*.py")
+             if path.relative_to(SRC).parts[0].removesuffix(".py") not in top | {"__init__"}
+             for name in root_imports(path)]
+    assert not found, "\n".join(sorted(found))
+
+
 @pytest.mark.parametrize("module", ["mogrpo.health", "mogrpo.tasks.curriculum", "mogrpo.config",
                                     "mogrpo.tracking.names", "mogrpo.rewards",
                                     "mogrpo.checkpoint", "mogrpo.cli"])
