@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import functools
+import importlib
 import json
 import logging
 import os
@@ -332,11 +333,13 @@ def _headers(provider: Provider, key: str) -> dict[str, Any]:
     """The request's headers; the key is read from its variable at each request, as before."""
     import openai
 
+    # Recent openai versions export Omit; older 1.x ones (tested: 1.55.3) keep it in openai._types.
+    omit = getattr(openai, "Omit", None) or importlib.import_module("openai._types").Omit
     # Omit() removes a header openai would add: its own bearer token (a placeholder here) and
     # organisation/project ids read from OPENAI_* variables, which are not this provider's.
     headers: dict[str, Any] = {
-        "User-Agent": f"mogrpo/{_version()}", "Authorization": openai.Omit(),
-        "OpenAI-Organization": openai.Omit(), "OpenAI-Project": openai.Omit(), **provider.headers}
+        "User-Agent": f"mogrpo/{_version()}", "Authorization": omit(),
+        "OpenAI-Organization": omit(), "OpenAI-Project": omit(), **provider.headers}
     if key:
         bearer = provider.api_key_header.lower() == "authorization"
         headers[provider.api_key_header] = f"Bearer {key}" if bearer else key
