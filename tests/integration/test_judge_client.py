@@ -4,6 +4,8 @@ sends a provider only what its config names, and asks for the `judge` extra when
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import multiprocessing
 import sys
 import threading
@@ -106,3 +108,21 @@ def test_retry_after_ms_is_preferred_and_dates_and_junk_are_handled():
     assert _retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: no wait
     assert _retry_after("soon", "later") is None and _retry_after(None) is None
 
+
+
+def test_a_judge_dropped_without_close_closes_its_connections_and_thread(caplog):
+    # Kept-alive connections belong to the judge's loop: they must be closed there, before it
+    # stops, not later by the garbage collector on some other loop ("Event loop is closed").
+    with FaultServer(keep_alive=True) as server, caplog.at_level(logging.ERROR, logger="asyncio"):
+        for step in range(3):
+            judge = make_judge(server.url)
+            assert judge(["q"] * 2, [f"{step} a", f"{step} b"]) == [pytest.approx(0.7)] * 2
+            del judge
+            gc.collect()
+        deadline = time.perf_counter() + 10
+        while any(t.name.startswith("judge-") for t in threading.enumerate()) \
+                and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        gc.collect()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("judge-")]
+    assert not caplog.records, caplog.text

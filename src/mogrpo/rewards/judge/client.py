@@ -180,7 +180,7 @@ class JudgeClient:
             if self._runner is None or not self._runner.alive:
                 # First use, or a forked child: everything bound to the old loop is left alone.
                 self._clients, self._gate, self._woken = {}, None, None
-                self._runner = LoopThread(f"judge-{self.label}", owner=self)
+                self._runner = LoopThread(f"judge-{self.label}", owner=self, clients=self._clients)
             return self._runner
 
     def _ready(self) -> tuple[asyncio.Semaphore, asyncio.Event]:
@@ -304,7 +304,7 @@ class JudgeClient:
         await asyncio.gather(*others, return_exceptions=True)
         for client in self._clients.values():
             await client.close()
-        self._clients = {}
+        self._clients.clear()
 
 
 def _key(provider: Provider) -> str:

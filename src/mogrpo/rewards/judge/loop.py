@@ -30,13 +30,15 @@ T = TypeVar("T")
 class LoopThread:
     """An event loop running forever on a daemon thread; `submit` schedules a coroutine on it."""
 
-    def __init__(self, name: str, owner: object) -> None:
+    def __init__(self, name: str, owner: object, clients: dict[str, Any]) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        # A judge dropped without close() must not leave its thread running for good.
-        weakref.finalize(owner, _stop_soon, self.loop)
+        # A judge dropped without close() must not leave its thread running for good, nor its
+        # connections open: `clients` (the owner's, filled later) are closed on this loop first,
+        # as their transports belong to it.
+        weakref.finalize(owner, _shutdown, self.loop, clients)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -61,9 +63,18 @@ class LoopThread:
             self.loop.close()
 
 
-def _stop_soon(loop: asyncio.AbstractEventLoop) -> None:
+def _shutdown(loop: asyncio.AbstractEventLoop, clients: dict[str, Any]) -> None:
+    async def close_all() -> None:
+        for client in list(clients.values()):
+            try:
+                await client.close()
+            except Exception:  # closing what nobody uses any more must not raise anywhere
+                pass
+        clients.clear()
+        loop.stop()
+
     if not loop.is_closed():
         try:
-            loop.call_soon_threadsafe(loop.stop)
+            asyncio.run_coroutine_threadsafe(close_all(), loop)
         except RuntimeError:  # closed in the meantime
             pass
