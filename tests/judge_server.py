@@ -4,9 +4,11 @@ Binds 127.0.0.1 on an ephemeral port. Each request gets one scripted behaviour: 
 queued for a substring of its last message (`by_content`), else the next of `script`, else
 `default` (a behaviour or a function of the message text; by default the reply "7"). The server counts calls and the
 most requests it held in flight at once (from arrival until it starts answering), and records
-every request's body and headers. With `overlap=k`, each request waits (up to 10 s) until k
+every request's body and headers (an `http.client.HTTPMessage`: names case-insensitive). With `overlap=k`, each request waits (up to 10 s) until k
 requests have been in flight at once before its delay starts, so a test of concurrency does not
-depend on how fast a loaded machine starts the client's threads.
+depend on how fast a loaded machine starts the client's threads. With `keep_alive=True` it
+speaks HTTP/1.1 with persistent connections and TCP_NODELAY, as production servers do (by
+default HTTP/1.0: one connection per request).
 
     with FaultServer(script=[status(500)], default=reply("7")) as server:
         ...  # point a judge at server.url
@@ -78,7 +80,7 @@ class FaultServer:
 
     def __init__(self, *, script: list[Behaviour] | None = None,
                  by_content: dict[str, list[Behaviour]] | None = None,
-                 default: Default = SEVEN, overlap: int = 0) -> None:
+                 default: Default = SEVEN, overlap: int = 0, keep_alive: bool = False) -> None:
         self.script: deque[Behaviour] = deque(script or [])
         self.by_content = {k: deque(v) for k, v in (by_content or {}).items()}
         self.default = default
@@ -86,6 +88,7 @@ class FaultServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.overlap = overlap
+        self.keep_alive = keep_alive
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.overlapped = threading.Condition(self.lock)  # notified when max_in_flight grows
@@ -145,6 +148,10 @@ class FaultServer:
 
 def _handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        if server.keep_alive:  # as production servers answer: HTTP/1.1 keep-alive, no Nagle delay
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
         def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
             pass
 
@@ -165,7 +172,9 @@ def _handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 server.calls += 1
                 server.in_flight += 1
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                server.requests.append({"body": data, "headers": dict(self.headers)})
+                # The message itself, not a dict: header names are case-insensitive (httpx sends
+                # them in lower case), and so is its .get().
+                server.requests.append({"body": data, "headers": self.headers})
                 server.overlapped.notify_all()
             try:
                 behaviour = server.choose(content)

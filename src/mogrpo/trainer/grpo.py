@@ -236,7 +236,6 @@ class GRPOTrainer(UpdatePhases):
         scored = ScoredBatch(ro, task_ids.to(device), advantages.to(device), beta.to(device))
         return scored, metrics
 
-    @torch.no_grad()
     def _task_kl(self, task_ids: torch.Tensor, seq_kl: torch.Tensor) -> dict[str, float]:
         """Each task's mean KL over its completions, and its β."""
         metrics = {}

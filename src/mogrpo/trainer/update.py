@@ -32,6 +32,7 @@ UPDATE_NORM_MAX_PARAMS = 50_000_000
 class UpdatePhases:
     """`reference_logprobs` and `update`, with their micro-batching and optimizer step."""
 
+    @torch.no_grad()
     def reference_logprobs(self, batch: ScoredBatch) -> None:
         """Rollout-time log-probs (μ > 1) and reference log-probs (β > 0), micro-batched."""
         need_old = self.config.algorithm.num_iterations > 1

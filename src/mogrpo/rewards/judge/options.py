@@ -38,7 +38,7 @@ from mogrpo.config.sections import reward_label
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.rewards.base import resolve_reward
 from mogrpo.rewards.judge.cache import CACHE_FILE, JudgeCache
-from mogrpo.rewards.judge.client import Budget, Provider
+from mogrpo.rewards.judge.client import Budget, Provider, require_openai
 from mogrpo.rewards.judge.parse import ScoreParser
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ def parse_options(options: Any, *, where: str, cache_dir: Path | None) -> dict[s
     if not isinstance(options, dict):
         raise ConfigError(f"{where} = {options!r:.80}: a judge reward's kwargs must be a mapping")
     _reject_unknown(options, OPTIONS, where)
+    require_openai(where)
     for required in ("providers", "template", "parser"):
         if required not in options:
             raise ConfigError(

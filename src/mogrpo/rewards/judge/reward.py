@@ -14,7 +14,7 @@ import hashlib
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, Future, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ class JudgeReward:
         self.fields = _template_fields(template, where)
         self.budget = budget or Budget()
         self.client = JudgeClient(providers, timeout=timeout, retries=retries, backoff=backoff,
-                                  budget=self.budget, label=where)
+                                  budget=self.budget, label=where, concurrency=max_workers)
         self._template_sha = hashlib.sha256(template.encode("utf-8")).hexdigest()
         self._settings = {"system": system, "temperature": temperature, "max_tokens": max_tokens}
         self._names = [p.name for p in providers]
@@ -163,22 +163,21 @@ class JudgeReward:
 
     def _ask(self, todo: list[str], replies: dict[str, tuple[str, str]],
              stats: JudgeStats) -> None:
-        workers = max(1, min(self.max_workers, len(todo)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="judge") as pool:
-            futures = {pool.submit(self._judge_one, r): r for r in todo}
-            for future in as_completed(futures):
-                request = futures[future]
-                outcome = future.result()  # _judge_one never raises
-                stats.add_outcome(outcome)
-                if outcome.content is None:
-                    continue
-                replies[request] = (outcome.content, outcome.provider or "")
-                if self.cache is not None:
-                    provider = next(p for p in self.providers if p.name == outcome.provider)
-                    # Written as each reply lands, so a crash mid-step loses nothing paid for.
-                    self.cache.put(self._key(provider, request), provider=provider.name,
-                                   model=provider.model, reply=outcome.content,
-                                   score=self.parser.parse(outcome.content), tokens=outcome.tokens)
+        # All requests go to the judge's loop at once; it keeps `max_workers` in flight.
+        futures = {self.client.submit(self._body(r)): r for r in todo}
+        for future in as_completed(futures):
+            request = futures[future]
+            outcome = self._outcome(future)
+            stats.add_outcome(outcome)
+            if outcome.content is None:
+                continue
+            replies[request] = (outcome.content, outcome.provider or "")
+            if self.cache is not None:
+                provider = next(p for p in self.providers if p.name == outcome.provider)
+                # Written as each reply lands, so a crash mid-step loses nothing paid for.
+                self.cache.put(self._key(provider, request), provider=provider.name,
+                               model=provider.model, reply=outcome.content,
+                               score=self.parser.parse(outcome.content), tokens=outcome.tokens)
         if stats.budget_skipped and not self._budget_warned:
             self._budget_warned = True
             logger.warning(
@@ -186,9 +185,11 @@ class JudgeReward:
                 self.where, self.budget.state_dict(),
                 "the fallback reward" if self.fallback else "None")
 
-    def _judge_one(self, request: str) -> Outcome:
+    def _outcome(self, future: Future[Outcome]) -> Outcome:
         try:
-            return self.client.judge(self._body(request))
+            return future.result()
+        except CancelledError:  # close() ended the request
+            return Outcome()
         except Exception:  # a bug here must cost one score, not the run
             logger.exception("%s: judging one completion failed unexpectedly", self.where)
             return Outcome()
@@ -264,7 +265,7 @@ class JudgeReward:
         self.budget.load_state_dict(state["budget"])
 
     def close(self) -> None:
-        """Stop pending backoff waits and close the cache file."""
+        """Stop pending requests and backoff waits, close connections and the cache file."""
         self.client.close()
         if self.cache is not None:
             self.cache.close()
