@@ -318,6 +318,83 @@ def _decode_batches(
     return parts, logps, nonfinite, rows_reset
 
 
+def _check_rollout_arguments(
+    model: nn.Module, prompt_texts: list[str], settings: SamplingSettings, *,
+    num_generations: int, max_prompt_length: int, engine: str | ExternalEngine,
+    generation_batch_size: int | None,
+) -> None:
+    """Reject `generate_rollout`'s bad arguments before anything is tokenized or decoded."""
+    if num_generations < 1:
+        raise ConfigError(f"num_generations = {num_generations} must be >= 1")
+    if engine == "vllm":
+        raise ConfigError("rollout.engine = vllm: pass the VLLMEngine the run built "
+                          "(TrainContext.rollout_engine) as `engine`, not the string")
+    if isinstance(engine, str) and engine not in ENGINES:
+        raise ConfigError(f"rollout.engine = {engine!r} is not one of {list(ENGINES)}")
+    if generation_batch_size is not None and generation_batch_size < 1:
+        raise ConfigError(f"rollout.generation_batch_size = {generation_batch_size} must be >= 1")
+    if max_prompt_length < 1:
+        raise ConfigError(f"max_prompt_length = {max_prompt_length} must be >= 1")
+    if not prompt_texts:
+        raise DataError("generate_rollout got no prompts")
+    limit, source = _context_limit(model)
+    if limit is not None and max_prompt_length + settings.max_new_tokens > limit:
+        raise ConfigError(
+            f"max_prompt_length ({max_prompt_length}) + max_new_tokens ({settings.max_new_tokens}) = "
+            f"{max_prompt_length + settings.max_new_tokens} exceeds the model's {limit} "
+            f"positions ({source}); lower one of them so they fit"
+        )
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The tokenizer's pad id, else its EOS id."""
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise ConfigError(
+            "the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token"
+        )
+    return pad_id
+
+
+def _prompt_rows(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 num_generations: int, cut: int,
+                 max_prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's ids and mask repeated K times, row `i * K + k`, on the model's device."""
+    if cut:
+        logger.debug("%d of %d prompts cut from the left to %d tokens",
+                     cut, prompt_ids.shape[0], max_prompt_length)
+    device = next(model.parameters()).device
+    rows_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    rows_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    return rows_ids, rows_mask
+
+
+def _decode_external(
+    engine: ExternalEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    settings: SamplingSettings, *, num_generations: int, stop_ids: list[int], pad_id: int,
+    seed: int | None, record_logprobs: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
+    """Decode with an engine that batches on its own, given each [B, P] prompt once unpadded.
+    Returns what `_decode_batches` does, in one part."""
+    unpadded = [ids[mask.bool()].tolist()
+                for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+    out = engine.decode(unpadded, settings, num_generations=num_generations,
+                        stop_ids=stop_ids, pad_id=pad_id, seed=seed,
+                        record_logprobs=record_logprobs)
+    return [out.tokens], [out.logp], 0, 0
+
+
+def _decode_texts(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor,
+                  lengths: torch.Tensor) -> list[str]:
+    """Each completion's text, up to its length, without special tokens and stripped."""
+    return [
+        tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip()
+        for row, n in zip(completion_ids, lengths, strict=True)
+    ]
+
+
 def generate_rollout(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -343,52 +420,18 @@ def generate_rollout(
     sampling-time log-prob in `Rollout.sampler_logp`. `plain_max_bytes` bounds the weight
     copies the native engine makes to decode faster (None: its default, `PLAIN_MAX_BYTES`).
     """
-    if num_generations < 1:
-        raise ConfigError(f"num_generations = {num_generations} must be >= 1")
-    if engine == "vllm":
-        raise ConfigError("rollout.engine = vllm: pass the VLLMEngine the run built "
-                          "(TrainContext.rollout_engine) as `engine`, not the string")
-    if isinstance(engine, str) and engine not in ENGINES:
-        raise ConfigError(f"rollout.engine = {engine!r} is not one of {list(ENGINES)}")
-    if generation_batch_size is not None and generation_batch_size < 1:
-        raise ConfigError(f"rollout.generation_batch_size = {generation_batch_size} must be >= 1")
-    if max_prompt_length < 1:
-        raise ConfigError(f"max_prompt_length = {max_prompt_length} must be >= 1")
-    if not prompt_texts:
-        raise DataError("generate_rollout got no prompts")
-    limit, source = _context_limit(model)
-    if limit is not None and max_prompt_length + settings.max_new_tokens > limit:
-        raise ConfigError(
-            f"max_prompt_length ({max_prompt_length}) + max_new_tokens ({settings.max_new_tokens}) = "
-            f"{max_prompt_length + settings.max_new_tokens} exceeds the model's {limit} "
-            f"positions ({source}); lower one of them so they fit"
-        )
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    if pad_id is None:
-        raise ConfigError(
-            "the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token"
-        )
+    _check_rollout_arguments(model, prompt_texts, settings, num_generations=num_generations,
+                             max_prompt_length=max_prompt_length, engine=engine,
+                             generation_batch_size=generation_batch_size)
+    pad_id = _pad_id(tokenizer)
     stop_ids = resolve_stop_ids(model, tokenizer, settings)
 
     prompt_ids, prompt_mask, cut = tokenize_prompts(
-        tokenizer,
-        prompt_texts,
-        max_prompt_length=max_prompt_length,
-        add_special_tokens=add_special_tokens,
-        pad_id=pad_id,
+        tokenizer, prompt_texts, max_prompt_length=max_prompt_length,
+        add_special_tokens=add_special_tokens, pad_id=pad_id,
     )
-    if cut:
-        logger.debug(
-            "%d of %d prompts cut from the left to %d tokens",
-            cut,
-            len(prompt_texts),
-            max_prompt_length,
-        )
-    device = next(model.parameters()).device
-    rows_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
-    rows_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    rows_ids, rows_mask = _prompt_rows(model, prompt_ids, prompt_mask, num_generations, cut,
+                                       max_prompt_length)
     if isinstance(engine, str):
         chosen = choose_engine(model, engine, rows_ids.shape[1] + settings.max_new_tokens)
         parts, logps, nonfinite, rows_reset = _decode_batches(
@@ -397,12 +440,10 @@ def generate_rollout(
             record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
     else:  # vLLM batches itself: one request per prompt, n = K completions each
         chosen = "external"
-        unpadded = [ids[mask.bool()].tolist()
-                    for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        out = engine.decode(unpadded, settings, num_generations=num_generations,
-                            stop_ids=stop_ids, pad_id=pad_id, seed=generator_seed,
-                            record_logprobs=record_logprobs)
-        parts, logps, nonfinite, rows_reset = [out.tokens], [out.logp], 0, 0
+        parts, logps, nonfinite, rows_reset = _decode_external(
+            engine, prompt_ids, prompt_mask, settings, num_generations=num_generations,
+            stop_ids=stop_ids, pad_id=pad_id, seed=generator_seed,
+            record_logprobs=record_logprobs)
     if nonfinite:
         logger.warning("replaced %d non-finite logits during rollout (%d rows reset)",
                        nonfinite, rows_reset)
@@ -411,10 +452,7 @@ def generate_rollout(
     completion_ids, completion_mask, lengths, truncated = split_completions(
         generated, stop_ids, pad_id
     )
-    texts = [
-        tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip()
-        for row, n in zip(completion_ids, lengths, strict=True)
-    ]
+    texts = _decode_texts(tokenizer, completion_ids, lengths)
     return Rollout(
         prompt_ids=rows_ids,
         prompt_mask=rows_mask,
