@@ -24,10 +24,15 @@ from mogrpo.rollout.generate import SamplingSettings
 MAX_BODY_BYTES = 4 << 20
 MAX_N = 16
 MAX_PROMPTS = 64
-# refused unless absent or neutral (None, False, an empty list, a text response format, best_of 1)
+# refused unless absent or neutral (None, False, empty, a text response format, best_of 1)
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "logprobs", "top_logprobs",
                 "response_format", "echo", "suffix", "best_of", "logit_bias")
-_NEUTRAL = (None, False, [], {}, {"type": "text"}, 1, "none")
+
+
+def _neutral(name: str, value: Any) -> bool:
+    if value is None or value is False or value in ([], {}, "", "none", {"type": "text"}):
+        return True
+    return name == "best_of" and type(value) is int and value == 1
 
 
 class RequestError(Exception):
@@ -68,7 +73,7 @@ class _Request(BaseModel):
     def _refuse_unsupported(cls, body: Any) -> Any:
         if isinstance(body, dict):
             for name in _UNSUPPORTED:
-                if body.get(name, None) not in _NEUTRAL:
+                if not _neutral(name, body.get(name)):
                     raise RequestError(400, f"{name!r} is not supported by mogrpo serve", name,
                                        "unsupported_parameter")
         return body
