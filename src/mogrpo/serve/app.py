@@ -131,11 +131,17 @@ async def _complete(request: Request, kind: str, batcher: Batcher,
         job = Job(text=text, add_special_tokens=add_special, settings=settings, reply=reply,
                   n=body.n or 1, seed=body.seed, stop=body.stops(), stream=bool(body.stream),
                   first=i * (body.n or 1))
+        # tokenized here, beside the worker's decoding: a tokenizer's encode and decode only
+        # read it (so prompts too long are refused before anything is queued)
         job.prompt_tokens = batcher.admit(text, add_special, settings,
                                           "messages" if kind == "chat" else "prompt")
         jobs.append(job)
-    for job in jobs:
-        batcher.submit(job)
+    try:
+        for job in jobs:
+            batcher.submit(job)
+    except RequestError:
+        reply.cancelled = True  # the prompts already queued are dropped
+        raise
     prompt_tokens = sum(job.prompt_tokens for job in jobs)
     choices = len(jobs) * (body.n or 1)
     if body.stream:
@@ -144,9 +150,9 @@ async def _complete(request: Request, kind: str, batcher: Batcher,
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     answers: list[tuple[str, str, int]] = [("", "", 0)] * choices
-    async for event in _events(reply, choices):
-        _, index, text, finish, tokens = event
-        answers[index] = (text, finish, tokens)
+    async for events in _events(reply, choices):
+        for _, index, text, finish, tokens in events:
+            answers[index] = (text, finish, tokens)
     return JSONResponse(api.response(kind, options.model_name, answers, prompt_tokens))
 
 
@@ -166,21 +172,25 @@ def _prompts(body: Any, kind: str, tokenizer: Any) -> list[tuple[str, bool]]:
         raise RequestError(400, str(err), "messages") from None
 
 
-async def _events(reply: Reply, choices: int) -> AsyncIterator[tuple]:
-    """The worker's events for a request until all its choices are done; RequestError on an
-    error event or past the timeout (504)."""
+async def _events(reply: Reply, choices: int) -> AsyncIterator[list[tuple]]:
+    """The worker's events for a request until all its choices are done, in lists: each
+    what had arrived when the request's turn came (one when the server keeps up, several when
+    it lags). RequestError on an error event or past the timeout (504)."""
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     done = 0
     while done < choices:
         try:
-            event = await asyncio.wait_for(reply.events.get(), deadline - time.monotonic())
+            events = [await asyncio.wait_for(reply.events.get(), deadline - time.monotonic())]
         except asyncio.TimeoutError:  # (TimeoutError itself only from Python 3.11)
             raise RequestError(504, f"no completion within {REQUEST_TIMEOUT_S:g}s; the server "
                                "is overloaded") from None
-        if event[0] == "error":
-            raise event[1]
-        done += event[0] == "done"
-        yield event
+        while not reply.events.empty():
+            events.append(reply.events.get_nowait())
+        for event in events:
+            if event[0] == "error":
+                raise event[1]
+        done += sum(event[0] == "done" for event in events)
+        yield events
 
 
 async def _stream(kind: str, model: str, reply: Reply, choices: int, prompt_tokens: int,
@@ -199,15 +209,23 @@ async def _stream(kind: str, model: str, reply: Reply, choices: int, prompt_toke
         if kind == "chat":
             for index in range(choices):
                 yield line(api.chunk(kind, ident, created, model, index, role=True, text=""))
-        async for event in _events(reply, choices):
-            if event[0] == "delta":
-                yield line(api.chunk(kind, ident, created, model, event[1], text=event[2]))
-                continue
-            _, index, rest, finish, tokens = event
-            completion_tokens += tokens
-            if rest:
-                yield line(api.chunk(kind, ident, created, model, index, text=rest))
-            yield line(api.chunk(kind, ident, created, model, index, finish=finish))
+        async for events in _events(reply, choices):
+            # the deltas that arrived together go out as one chunk per choice, in one write:
+            # a server that lags behind the decode sends fewer, longer chunks
+            lines, pending = [], {}
+            for event in events:
+                if event[0] == "delta":
+                    pending[event[1]] = pending.get(event[1], "") + event[2]
+                    continue
+                _, index, rest, finish, tokens = event
+                completion_tokens += tokens
+                rest = pending.pop(index, "") + rest
+                if rest:
+                    lines.append(line(api.chunk(kind, ident, created, model, index, text=rest)))
+                lines.append(line(api.chunk(kind, ident, created, model, index, finish=finish)))
+            lines += [line(api.chunk(kind, ident, created, model, index, text=text))
+                      for index, text in pending.items()]
+            yield "".join(lines)
         if include_usage:
             yield line({"id": ident, "object": "chat.completion.chunk" if kind == "chat"
                         else "text_completion", "created": created, "model": model,
