@@ -152,6 +152,7 @@ def main() -> int:
                         help="requests per measurement (at least 2 per client)")
     parser.add_argument("--out", type=Path, default=None, help="write the results table here")
     args = parser.parse_args()
+    args.load_before = os.getloadavg()[0]  # other processes' load skews every figure
     with tempfile.TemporaryDirectory() as tmp:
         words = build_model(Path(tmp) / "model")
         servers = {"old": start(args.old_src, Path(tmp) / "model"),
@@ -203,7 +204,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         if line.startswith("Model name")), platform.processor())
     lines = [
         "# `mogrpo serve` under load: old (http.server) and new (Starlette + uvicorn)", "",
-        f"CPU: {cpu}, {os.cpu_count()} cores (shared); Python {platform.python_version()}.",
+        f"CPU: {cpu}, {os.cpu_count()} cores (shared; load average {args.load_before:.1f} "
+        f"before, {os.getloadavg()[0]:.1f} after); Python {platform.python_version()}.",
         f"Command: `python benchmarks/serve_load.py --old-src <checkout of the old server>/src "
         f"--clients {args.clients} --rounds {args.rounds} --requests {args.requests}`", "",
         "Tiny echo Llama (64 hidden, 2 layers), greedy, max_tokens 32, /v1/chat/completions, "
