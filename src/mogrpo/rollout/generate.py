@@ -9,6 +9,7 @@ exactly the distribution that was sampled.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from mogrpo.config.model_limits import position_limit
 from mogrpo.config.sections import RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.layout import unsupported_reason
-from mogrpo.rollout.native import Decoded, decode_attention, native_decode
+from mogrpo.rollout.native import Decoded, StepCallback, decode_attention, native_decode
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
 from mogrpo.rollout.projections import decode_projections
 from mogrpo.rollout.sampling import SamplingSettings
@@ -285,7 +286,7 @@ def _decode_batches(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     settings: SamplingSettings, chosen: str, *, stop_ids: list[int], pad_id: int,
     generator_seed: int | None, generation_batch_size: int | None, record_logprobs: bool,
-    plain_max_bytes: int | None = None,
+    plain_max_bytes: int | None = None, on_step: StepCallback | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
     """Decode [B, P] prompt rows in batches of `generation_batch_size` with `native` or `hf`.
     Returns (token parts, log-prob parts, non-finite logits replaced, rows reset)."""
@@ -307,8 +308,12 @@ def _decode_batches(
         for start in range(0, rows, step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             if chosen == "native":
+                # the callback numbers rows over the whole [B, P], not this batch's slice
+                shifted = on_step if on_step is None or start == 0 else \
+                    functools.partial(_shifted_step, on_step, start)
                 out = native_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id,
-                                    record_logprobs=record_logprobs, projections=projections)
+                                    record_logprobs=record_logprobs, projections=projections,
+                                    on_step=shifted)
             else:
                 out = _hf_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id)
             parts.append(out.tokens)
@@ -395,6 +400,11 @@ def _decode_texts(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tens
     ]
 
 
+def _shifted_step(on_step: StepCallback, start: int, rows: torch.Tensor,
+                  tokens: torch.Tensor) -> None:
+    on_step(rows + start, tokens)
+
+
 def generate_rollout(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -409,6 +419,7 @@ def generate_rollout(
     generation_batch_size: int | None = None,
     record_logprobs: bool = False,
     plain_max_bytes: int | None = None,
+    on_step: StepCallback | None = None,
 ) -> Rollout:
     """Sample `num_generations` completions for each prompt.
 
@@ -419,6 +430,9 @@ def generate_rollout(
     global RNG stream. `record_logprobs` (native and vllm engines) keeps each token's
     sampling-time log-prob in `Rollout.sampler_logp`. `plain_max_bytes` bounds the weight
     copies the native engine makes to decode faster (None: its default, `PLAIN_MAX_BYTES`).
+    `on_step(rows, tokens)` (native engine only; the others never call it) sees each decode
+    step's tokens as they are chosen: the rows [b] still decoding, numbered as the rollout's
+    rows, and their new tokens [b].
     """
     _check_rollout_arguments(model, prompt_texts, settings, num_generations=num_generations,
                              max_prompt_length=max_prompt_length, engine=engine,
@@ -437,7 +451,7 @@ def generate_rollout(
         parts, logps, nonfinite, rows_reset = _decode_batches(
             model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
             generator_seed=generator_seed, generation_batch_size=generation_batch_size,
-            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
+            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes, on_step=on_step)
     else:  # vLLM batches itself: one request per prompt, n = K completions each
         chosen = "external"
         parts, logps, nonfinite, rows_reset = _decode_external(
