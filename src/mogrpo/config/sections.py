@@ -26,6 +26,7 @@ from mogrpo.config.base import Section
 from mogrpo.config.curriculum import CurriculumConfig
 from mogrpo.config.health import HealthConfig
 from mogrpo.config.kl import KLControlConfig
+from mogrpo.config.memory import MemoryConfig
 from mogrpo.config.precision import Precision
 
 RolloutEngine = Literal["auto", "native", "hf", "vllm"]
@@ -517,6 +518,8 @@ class RunConfig(Section):
     """Several processes: data parallel (DDP) or sharded (FSDP2)."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     """How generated code is contained by the code rewards (see docs/rewards_code.md)."""
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    """What an out-of-memory error costs: a smaller batch (`adapt`) or the run (`fail`)."""
 
     _limit_notes: dict[str, str] = PrivateAttr(default_factory=dict)
 

@@ -183,7 +183,9 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
     config, main_dir = join_processes(config, dist)
     seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
-    run_dir = prepare_run_dir(config, resuming=resume is not None)
+    # a process the checkpointed run did not have (1 -> 2 processes) starts its directory afresh
+    resuming = resume is not None and (dist.is_main or Path(config.output.dir).is_dir())
+    run_dir = prepare_run_dir(config, resuming=resuming)
     loaded = open_checkpoint(run_dir, config, resume, allow_config_change, dist, main_dir,
                              strategy_for(config.distributed, dist.world_size)
                              ) if resume else None

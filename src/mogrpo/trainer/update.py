@@ -3,7 +3,7 @@ optimizer updates on the batch, each accumulating its micro-batches' gradients.
 
 `UpdatePhases` is a part of `GRPOTrainer` (`mogrpo.trainer.grpo`), kept in a file of its own; it
 uses the trainer's `ctx`, `config`, `parallel`, `reference`, `dist`, `optimizer`, `scheduler`,
-`scaler`, `step`, `skipped_updates`, `_sampler_correction` and `_task_kl`.
+`scaler`, `step`, `skipped_updates`, `oom`, `_sampler_correction` and `_task_kl`.
 """
 
 from __future__ import annotations
@@ -180,6 +180,7 @@ class UpdatePhases:
         else:  # a non-finite gradient would poison AdamW's moments; skip and count it
             self.skipped_updates += 1
             log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
+        self.oom.stepped = True  # an out-of-memory error from here on cannot redo the step
         self.scaler.update()  # halved after an overflow, doubled after enough clean steps
         self.scheduler.step()
         return float(grad_norm)
@@ -200,7 +201,7 @@ class UpdatePhases:
         return weights
 
     def _micro_batches(self, ro: Rollout, by_length: bool = True) -> list[slice | torch.Tensor]:
-        size = self.config.train.micro_batch_size
+        size = self.oom.micro_batch_size  # train.micro_batch_size, halved by out-of-memory errors
         if not by_length:
             return [slice(i, min(i + size, ro.batch_size)) for i in range(0, ro.batch_size, size)]
         return length_buckets(ro.prompt_mask, ro.completion_mask, size)
