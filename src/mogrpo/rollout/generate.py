@@ -54,6 +54,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, C] right-padded with the pad id
     completion_mask: torch.Tensor  # [B, C] 1 up to and including the first stop token
+    # (an episode of several turns: 1 on every token of it, the inserted ones too)
     lengths: torch.Tensor  # [B] int, completion_mask.sum(-1)
     truncated: torch.Tensor  # [B] bool, no stop token within max_new_tokens
     texts: list[str]
@@ -64,6 +65,16 @@ class Rollout:
     sampler_logp: torch.Tensor | None = None
     """[B, C] log-prob of each token at sampling time (native engine: under softmax(logits / T);
     vllm: under the distribution vLLM sampled from), when asked; else None."""
+    generated_mask: torch.Tensor | None = None
+    """[B, C] 1 on the tokens the policy sampled, 0 on the tool results and template text
+    inserted between the turns of an episode (`mogrpo.rollout.episodes`); None: a single turn,
+    every token of `completion_mask` sampled."""
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """[B, C] the tokens the loss, the KL and the length normalisers count: those the
+        policy sampled. `completion_mask` stays the attention mask of the whole sequence."""
+        return self.completion_mask if self.generated_mask is None else self.generated_mask
 
     @property
     def batch_size(self) -> int:
