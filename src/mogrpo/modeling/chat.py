@@ -35,6 +35,7 @@ def render_prompt(
     *,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, bool]:
     """Render `prompt` to text; returns (text, add_special_tokens to use when tokenizing it).
 
@@ -42,7 +43,8 @@ def render_prompt(
     already holds its special tokens (BOS, role headers), so it is tokenized with
     `add_special_tokens=False` to avoid a doubled BOS. `system_prompt` is added as a system
     message unless the messages already start with one; without a template it is prepended to the
-    text, separated by a blank line.
+    text, separated by a blank line. `tools` (JSON schemas) go to the template, which renders
+    them where the model family expects them (a tool-calling task needs a chat template).
     """
     template = has_chat_template(tokenizer)
     use = template if use_chat_template is None else use_chat_template
@@ -53,6 +55,11 @@ def render_prompt(
             "model.use_chat_template: false to send prompts as plain text"
         )
 
+    if tools and not use:
+        raise ModelError(
+            "the task has tools but no chat template is in use: the template renders the tools "
+            "and their results; set model.chat_template to a template that supports tool calls"
+        )
     if isinstance(prompt, str):
         if not use:
             text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
@@ -68,5 +75,7 @@ def render_prompt(
         messages = list(_check_messages(prompt))
     if system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **extra)
     return str(text), False

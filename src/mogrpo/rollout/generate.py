@@ -406,6 +406,31 @@ def _decode_texts(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tens
     ]
 
 
+def decode_rows(
+    model: nn.Module, rows_ids: torch.Tensor, rows_mask: torch.Tensor,
+    settings: SamplingSettings, engine: str | ExternalEngine, *, stop_ids: list[int],
+    pad_id: int, generation_batch_size: int | None = None, record_logprobs: bool = False,
+    plain_max_bytes: int | None = None,
+) -> Decoded:
+    """One continuation of each [B, P] left-padded row of token ids (an episode's next turn):
+    the raw tokens [B, C] (not cut at the stop), and their sampling-time log-probs when asked
+    and the engine records them."""
+    if isinstance(engine, str):
+        chosen = choose_engine(model, engine, rows_ids.shape[1] + settings.max_new_tokens)
+        parts, logps, nonfinite, rows_reset = _decode_batches(
+            model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
+            generator_seed=None, generation_batch_size=generation_batch_size,
+            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
+        recorded = record_logprobs and chosen == "native"
+    else:
+        parts, logps, nonfinite, rows_reset = _decode_external(
+            engine, rows_ids, rows_mask, settings, num_generations=1, stop_ids=stop_ids,
+            pad_id=pad_id, seed=None, record_logprobs=record_logprobs)
+        recorded = record_logprobs
+    logp = _pad_right(logps, 0) if recorded and all(p is not None for p in logps) else None
+    return Decoded(_pad_right(parts, pad_id), nonfinite, logp, rows_reset)
+
+
 def generate_rollout(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
