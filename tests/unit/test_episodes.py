@@ -73,11 +73,11 @@ def test_an_episode_calls_the_tool_and_masks_what_was_inserted(agent_policy):
     engine = ScriptedEngine(tokenizer, [[CALL + "<|eot|>", "no tools<|eot|>"],
                                         ["The answer is 5<|eot|>"]])
     settings = SamplingSettings(max_new_tokens=200)
-    rollout, log = generate_episodes(
+    rollout = generate_episodes(
         model, tokenizer, [_prompt(tokenizer)] * 2, settings,
         ToolLoop([{"calculator": calculator}] * 2), num_generations=2, max_prompt_length=128,
         add_special_tokens=False, engine=engine, record_logprobs=True)
-    ep, plain = log.episodes
+    ep, plain = rollout.episodes
     assert (ep.turns, dict(ep.calls), plain.turns, dict(plain.calls)) == (2, {"calculator": 1}, 1, {})
     # the second turn continued the first, with the result inserted by the template
     inserted = "\n<|user|>\n<tool_response>5</tool_response><|eot|>\n<|assistant|>\n"
@@ -102,18 +102,18 @@ def test_the_budget_and_the_round_limit_end_an_episode(agent_policy):
     n1 = len(tokenizer(call_turn, add_special_tokens=False)["input_ids"])
     # results that do not fit are not inserted: the episode ends after the call
     engine = ScriptedEngine(tokenizer, [[call_turn]])
-    rollout, log = generate_episodes(
+    rollout = generate_episodes(
         model, tokenizer, [_prompt(tokenizer)], SamplingSettings(max_new_tokens=n1 + 5),
         ToolLoop([{"calculator": calculator}]), num_generations=1, max_prompt_length=128,
         add_special_tokens=False, engine=engine)
-    assert int(rollout.lengths[0]) == n1 and log.episodes[0].calls["calculator"] == 1
+    assert int(rollout.lengths[0]) == n1 and rollout.episodes[0].calls["calculator"] == 1
     assert len(engine.prompts) == 1
     engine = ScriptedEngine(tokenizer, [[call_turn], [call_turn], [call_turn]])
-    rollout, log = generate_episodes(
+    rollout = generate_episodes(
         model, tokenizer, [_prompt(tokenizer)], SamplingSettings(max_new_tokens=300),
         ToolLoop([{"calculator": calculator}], max_iterations=1), num_generations=1,
         max_prompt_length=128, add_special_tokens=False, engine=engine)
-    assert log.episodes[0].turns == 2 and len(engine.prompts) == 2
+    assert rollout.episodes[0].turns == 2 and len(engine.prompts) == 2
 
 
 def _two_turn_episode(tokenizer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -9,6 +10,22 @@ from transformers import PreTrainedTokenizerBase
 from mogrpo.errors import ModelError
 
 ROLES = ("system", "user", "assistant")
+
+
+def resolve_chat_template(value: str) -> str:
+    """`model.chat_template`'s Jinja text: `tiny_tools`, a `.jinja` file's text, or itself."""
+    if value == "tiny_tools":
+        from mogrpo.modeling.tiny import TOOL_CHAT_TEMPLATE
+
+        return TOOL_CHAT_TEMPLATE
+    if value.strip().endswith(".jinja") and "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ModelError(f"model.chat_template: file {value} not found (resolved to "
+                             f"{path.resolve()}); give a .jinja file, the template's text or "
+                             "tiny_tools")
+        return path.read_text(encoding="utf-8")
+    return value
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:

@@ -28,6 +28,7 @@ def select_groups(rollout: Rollout, groups: list[int]) -> Rollout:
         sampler_logp=rollout.sampler_logp[index] if rollout.sampler_logp is not None else None,
         generated_mask=(rollout.generated_mask[index] if rollout.generated_mask is not None
                         else None),
+        episodes=[rollout.episodes[r] for r in rows] if rollout.episodes is not None else None,
     )
 
 
@@ -60,6 +61,8 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         # a single-turn part's sampled tokens are all of its completion's
         generated_mask=(torch.cat([right(r.train_mask, C, 0) for r in parts])
                         if any(r.generated_mask is not None for r in parts) else None),
+        episodes=([e for r in parts for e in (r.episodes or [None] * r.batch_size)]
+                  if any(r.episodes is not None for r in parts) else None),
     )
 
 

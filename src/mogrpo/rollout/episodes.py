@@ -62,17 +62,12 @@ class Episode:
     calls: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     timeouts: Counter = field(default_factory=Counter)
+    environment: Any = None
+    """The row's environment instance (a task's `environment`), for its reward."""
 
     @property
     def inserted(self) -> int:
         return len(self.ids) - sum(self.generated)
-
-
-@dataclass
-class EpisodeLog:
-    """What each row's episode did (`Episode` per row), for metrics and the rollout log."""
-
-    episodes: list[Episode]
 
 
 def insertion_text(tokenizer: PreTrainedTokenizerBase, calls: list[ToolCall],
@@ -217,7 +212,7 @@ def _as_rollout(first: Rollout, episodes: list[Episode], texts: list[str], pad_i
         texts=texts, num_generations=num_generations,
         prompt_truncated=first.prompt_truncated, nonfinite_logits=first.nonfinite_logits,
         sampler_logp=(logp * generated).to(device) if record else None,
-        generated_mask=generated.to(device),
+        generated_mask=generated.to(device), episodes=episodes,
     )
 
 
@@ -227,10 +222,11 @@ def generate_episodes(
     max_prompt_length: int, add_special_tokens: bool = True,
     engine: str | ExternalEngine = "auto", generation_batch_size: int | None = None,
     record_logprobs: bool = False, plain_max_bytes: int | None = None,
-) -> tuple[Rollout, EpisodeLog]:
+) -> Rollout:
     """One episode per row of `row_texts` (each prompt already repeated K times, row
     `i * K + k`: an environment's reset may give each row its own text), calling `loop.tools`
-    between turns. Returns the rollout (`generated_mask` set) and what each episode did."""
+    between turns. Returns the rollout, `generated_mask` and `episodes` (what each row's
+    episode did) set."""
     if len(loop.tools) != len(row_texts):
         raise ValueError(f"{len(loop.tools)} tool sets for {len(row_texts)} rows")
     if loop.max_iterations is not None and loop.max_iterations < 0:
@@ -259,5 +255,4 @@ def generate_episodes(
         rows = [b for b in rows if not episodes[b].truncated]
         rounds += 1
     texts = [tokenizer.decode(ep.ids, skip_special_tokens=True).strip() for ep in episodes]
-    rollout = _as_rollout(first, episodes, texts, pad_id, num_generations, record_logprobs)
-    return rollout, EpisodeLog(episodes)
+    return _as_rollout(first, episodes, texts, pad_id, num_generations, record_logprobs)

@@ -69,6 +69,9 @@ class Rollout:
     """[B, C] 1 on the tokens the policy sampled, 0 on the tool results and template text
     inserted between the turns of an episode (`mogrpo.rollout.episodes`); None: a single turn,
     every token of `completion_mask` sampled."""
+    episodes: list[Any] | None = None
+    """Per row: what its episode did (`mogrpo.rollout.episodes.Episode`: turns, tool calls,
+    its environment), None for a single-turn row; None when no row has an episode."""
 
     @property
     def train_mask(self) -> torch.Tensor:
