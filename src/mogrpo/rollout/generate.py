@@ -55,6 +55,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, C] right-padded with the pad id
     completion_mask: torch.Tensor  # [B, C] 1 up to and including the first stop token
+    # (an episode of several turns: 1 on every token of it, the inserted ones too)
     lengths: torch.Tensor  # [B] int, completion_mask.sum(-1)
     truncated: torch.Tensor  # [B] bool, no stop token within max_new_tokens
     texts: list[str]
@@ -65,6 +66,19 @@ class Rollout:
     sampler_logp: torch.Tensor | None = None
     """[B, C] log-prob of each token at sampling time (native engine: under softmax(logits / T);
     vllm: under the distribution vLLM sampled from), when asked; else None."""
+    generated_mask: torch.Tensor | None = None
+    """[B, C] 1 on the tokens the policy sampled, 0 on the tool results and template text
+    inserted between the turns of an episode (`mogrpo.rollout.episodes`); None: a single turn,
+    every token of `completion_mask` sampled."""
+    episodes: list[Any] | None = None
+    """Per row: what its episode did (`mogrpo.rollout.episodes.Episode`: turns, tool calls,
+    its environment), None for a single-turn row; None when no row has an episode."""
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """[B, C] the tokens the loss, the KL and the length normalisers count: those the
+        policy sampled. `completion_mask` stays the attention mask of the whole sequence."""
+        return self.completion_mask if self.generated_mask is None else self.generated_mask
 
     @property
     def batch_size(self) -> int:
@@ -403,6 +417,31 @@ def _decode_texts(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tens
 def _shifted_step(on_step: StepCallback, start: int, rows: torch.Tensor,
                   tokens: torch.Tensor) -> None:
     on_step(rows + start, tokens)
+
+
+def decode_rows(
+    model: nn.Module, rows_ids: torch.Tensor, rows_mask: torch.Tensor,
+    settings: SamplingSettings, engine: str | ExternalEngine, *, stop_ids: list[int],
+    pad_id: int, generation_batch_size: int | None = None, record_logprobs: bool = False,
+    plain_max_bytes: int | None = None,
+) -> Decoded:
+    """One continuation of each [B, P] left-padded row of token ids (an episode's next turn):
+    the raw tokens [B, C] (not cut at the stop), and their sampling-time log-probs when asked
+    and the engine records them."""
+    if isinstance(engine, str):
+        chosen = choose_engine(model, engine, rows_ids.shape[1] + settings.max_new_tokens)
+        parts, logps, nonfinite, rows_reset = _decode_batches(
+            model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
+            generator_seed=None, generation_batch_size=generation_batch_size,
+            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
+        recorded = record_logprobs and chosen == "native"
+    else:
+        parts, logps, nonfinite, rows_reset = _decode_external(
+            engine, rows_ids, rows_mask, settings, num_generations=1, stop_ids=stop_ids,
+            pad_id=pad_id, seed=None, record_logprobs=record_logprobs)
+        recorded = record_logprobs
+    logp = _pad_right(logps, 0) if recorded and all(p is not None for p in logps) else None
+    return Decoded(_pad_right(parts, pad_id), nonfinite, logp, rows_reset)
 
 
 def generate_rollout(

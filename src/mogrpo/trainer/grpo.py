@@ -29,6 +29,7 @@ from mogrpo.rollout.batching import (
     select_groups,
 )
 from mogrpo.rollout.generate import Rollout, generate_rollout
+from mogrpo.tasks.agent_rollout import agent_metrics, agent_rollout, environments_of
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -113,6 +114,28 @@ class GRPOTrainer(UpdatePhases):
         return self.oom.run(self.step + 1, [(GENERATION, lambda: self._generate(picks))], rows)
 
     def _generate(self, picks: list[tuple[int, Example]]) -> Rollout:
+        """K completions of each prompt; an agent task's are episodes of several turns,
+        sampled task by task (picks come grouped by task) and joined."""
+        if not any(task.agent is not None for task in self.ctx.tasks):
+            return self._single_turn(picks)
+        parts, start = [], 0
+        while start < len(picks):
+            t = picks[start][0]
+            end = next((i for i in range(start, len(picks)) if picks[i][0] != t), len(picks))
+            task = self.ctx.tasks[t]
+            if task.agent is None:
+                parts.append(self._single_turn(picks[start:end]))
+            else:
+                with self.parallel.gathered(), self.ctx.precision.autocast():
+                    parts.append(agent_rollout(
+                        self.ctx, task, [ex for _, ex in picks[start:end]],
+                        num_generations=self.config.rollout.num_generations,
+                        record_logprobs=self._sampler_correction,
+                        generation_batch_size=self.oom.generation_batch_size))
+            start = end
+        return concat_rollouts(parts, self.ctx.tokenizer.pad_token_id)
+
+    def _single_turn(self, picks: list[tuple[int, Example]]) -> Rollout:
         texts, add_special = render_prompts(self.ctx, picks)
         # FSDP2: whole weights while decoding; the rollout in the compute dtype
         with self.parallel.gathered(), self.ctx.precision.autocast():
@@ -150,6 +173,8 @@ class GRPOTrainer(UpdatePhases):
                 [rollout.texts[r] for r in rows], rollout.completion_ids[rows],
                 [lengths[r] for r in rows], [truncated[r] for r in rows],
                 trainer_state=self._trainer_state(t), log=log,
+                extra_columns=({"environments": environments_of(rollout, rows)}
+                               if task.agent is not None and task.agent.environments else None),
             )  # [n*K, J]
             logged = _per_row(log.extra, len(rows), task.name)
             for i, g in enumerate(groups):
@@ -334,6 +359,7 @@ class GRPOTrainer(UpdatePhases):
             names.PEAK_GIB: peak_bytes(self.ctx.device) / 2**30,
         })
         metrics.update(self._task_lengths(batch))
+        metrics.update(agent_metrics(self.ctx.tasks, ro, batch.task_ids.cpu()))
         metrics = self.dist.reduce_metrics(metrics)  # the same numbers in every process
         self.adapt_kl(metrics)
         return metrics

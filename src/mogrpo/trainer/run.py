@@ -24,6 +24,7 @@ from mogrpo.eval.report import write_report
 from mogrpo.health import HealthStop
 from mogrpo.kernels import apply_host_memory
 from mogrpo.memory import estimate, reward_model_configs
+from mogrpo.modeling.chat import resolve_chat_template
 from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
@@ -141,6 +142,8 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
                                                        Dist.current().world_size) == "fsdp":
         raise ConfigError(FSDP_FP16)
     policy, tokenizer = _load_policy(config, base, precision, device)
+    if mc.chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(mc.chat_template)
     if not quantized_field(mc):
         policy.to(device)  # on a GPU already there (`load_policy`)
     if precision.name == "bf16":

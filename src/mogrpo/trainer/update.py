@@ -76,8 +76,10 @@ class UpdatePhases:
         policy.train()
         variant = LossVariant.from_config(algo)
         aggregation = resolve_aggregation(algo.loss_type, algo.loss_aggregation)
-        loss_mask = (mask_truncated(ro.completion_mask, ro.truncated)
-                     if algo.mask_truncated_completions else ro.completion_mask)  # [B, C]
+        # only the policy's own tokens: an episode's tool results are context, not actions
+        train_mask = ro.train_mask  # [B, C]
+        loss_mask = (mask_truncated(train_mask, ro.truncated)
+                     if algo.mask_truncated_completions else train_mask)  # [B, C]
         # BNPO's normaliser is per micro-batch, so its rows stay in order (as TRL splits them)
         micro_batches = self._micro_batches(ro, by_length=aggregation != "micro_token_mean")
         # the step's global normaliser: a sum over this process's rows, then over processes
@@ -101,7 +103,8 @@ class UpdatePhases:
                 logp, entropy = self._forward(policy, args, with_entropy=it == 0)
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
-                weights = self._importance_weights(old, ro, rows, args[3],
+                sampled = train_mask[rows, :width]  # [b, w]
+                weights = self._importance_weights(old, ro, rows, sampled,
                                                    totals if it == 0 else None)
                 out = grpo_loss(
                     logp, old, batch.advantages[rows], loss_mask[rows, :width],
@@ -115,7 +118,7 @@ class UpdatePhases:
                 totals["loss"] += out.loss.item() / algo.num_iterations
                 if it == 0:
                     # KL is measured on every completion, also those left out of the loss
-                    seq_kl[rows] = (sequence_kl(logp.detach(), ref, args[3], algo.kl_estimator)
+                    seq_kl[rows] = (sequence_kl(logp.detach(), ref, sampled, algo.kl_estimator)
                                     if ref is not None and algo.mask_truncated_completions
                                     else out.kl).float().cpu()
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
