@@ -31,9 +31,12 @@ def write_config(tmp_path: Path, model: Path, name: str, **sections) -> Path:
     for task in config["tasks"].values():
         task["data"] += "?size=40"
         task["eval_size"] = 4
-    # a length objective varies between completions from the start: non-zero gradients
-    config["tasks"]["fairness"]["rewards"].append(
-        {"fn": "length_penalty", "weight": 0.5, "kwargs": {"target_length": 2, "max_length": 8}})
+    # an objective that differs between any two completions' texts, whatever the tiny model
+    # samples (a length one can give all K completions the same score): non-zero gradients
+    rewards = tmp_path / "varied_reward.py"
+    rewards.write_text("import zlib\n\n\ndef varied(prompts, completions, **kwargs):\n"
+                       "    return [zlib.crc32(str(c).encode()) % 97 / 96 for c in completions]\n")
+    config["tasks"]["fairness"]["rewards"].append({"fn": f"{rewards}:varied", "weight": 0.5})
     config["train"].update(max_steps=STEPS, micro_batch_size=4, gradient_accumulation_steps=2,
                            learning_rate=1e-2, warmup_steps=0)
     config["rollout"].update(num_generations=4, max_seq_length=48)
