@@ -126,10 +126,10 @@ def test_a_prompt_file_is_not_multiple_choice(b_model, tmp_path, capsys):
 
 def test_on_a_cpu_batches_reuse_freed_memory_as_training_steps_do(b_model, tmp_path,
                                                                    monkeypatch):
-    import mogrpo.kernels.cpu.host_memory as host_memory
+    from mogrpo import kernels
 
     calls = []
-    monkeypatch.setattr(host_memory, "apply_host_memory", lambda *a: calls.append(a))
+    monkeypatch.setattr(kernels, "apply_host_memory", lambda *a: calls.append(a))
     data = write_tsv(tmp_path / "test.tsv", HEADER, ROWS[:2])
     assert main(["predict", str(b_model), str(data), "--out", str(tmp_path / "s.csv")]) == 0
     assert calls == [("auto", "cpu")]  # train.host_memory's default, for this device
