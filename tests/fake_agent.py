@@ -11,6 +11,7 @@ only if it restored the generator's state.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,3 +70,24 @@ def digits(prompts: list, completions: list, **kwargs: Any) -> list[float]:
     """A reward that differs between episodes (their tool results differ), so advantages are
     not zero."""
     return [float(sum(ch.isdigit() for ch in str(c))) for c in completions]
+
+
+class AsyncCounter(Counter):
+    """The same environment with an async `get_reward` (TRL allows both)."""
+
+    async def get_reward(self) -> float:
+        return float(self.count)
+
+
+def use_fake_vllm(monkeypatch: Any, model: Path) -> None:
+    """`rollout.engine: vllm` runs on a `FakeLLM` with `tool_calling_script` in this test."""
+    from transformers import AutoTokenizer
+
+    from fake_vllm import FakeLLM, FakeSamplingParams
+    from mogrpo.config import engines
+    from mogrpo.rollout import vllm_engine
+
+    script = tool_calling_script(AutoTokenizer.from_pretrained(model))
+    monkeypatch.setattr(engines, "vllm_unavailable_reason", lambda: None)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: (
+        lambda **kwargs: FakeLLM(script=script, **kwargs), FakeSamplingParams))

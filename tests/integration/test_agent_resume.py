@@ -15,10 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fake_agent import Counter, calculator, digits, tool_calling_script
-from fake_vllm import FakeLLM, FakeSamplingParams
-from mogrpo.config import engines
-from mogrpo.rollout import vllm_engine
+from fake_agent import Counter, calculator, digits, use_fake_vllm
 
 TIMING = ("time/", "throughput/", "memory/")
 
@@ -41,15 +38,6 @@ class Tripwire:
         if self.calls == self.at:
             raise Stop
         return [0.0] * len(completions)
-
-
-def fake_vllm(monkeypatch, model: Path) -> None:
-    from transformers import AutoTokenizer
-
-    script = tool_calling_script(AutoTokenizer.from_pretrained(model))
-    monkeypatch.setattr(engines, "vllm_unavailable_reason", lambda: None)
-    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: (
-        lambda **kwargs: FakeLLM(script=script, **kwargs), FakeSamplingParams))
 
 
 def config(tmp_path: Path, model: Path, name: str, tripwire: Tripwire) -> dict:
@@ -80,7 +68,7 @@ def test_agent_run_stopped_after_step_1_resumes_bit_identically(tmp_path, tiny_m
                                                                  monkeypatch):
     import mogrpo
 
-    fake_vllm(monkeypatch, tiny_model)
+    use_fake_vllm(monkeypatch, tiny_model)
     mogrpo.train(config(tmp_path, tiny_model, "whole", Tripwire(None)))
     whole = metric_lines(tmp_path / "whole")
     assert [m["step"] for m in whole] == [1, 2]
