@@ -53,3 +53,32 @@ def test_dict_environments_async_reward_and_whole_episodes_logged(tmp_path, tiny
                .splitlines() if "event" not in json.loads(x)]
     asynced = [r["reward/AsyncCounter"] for r in rows if "(async)" in r["prompt"]]
     assert metrics[-1]["task/calc/reward/AsyncCounter/mean"] == sum(asynced) / len(asynced)
+
+
+def test_trl_agent_port_example_trains_with_its_environment_unchanged(tmp_path, tiny_model,
+                                                                     monkeypatch):
+    """examples/trl_agent_port.py, on the tiny model: its TRL-shaped environment's tool is
+    called and its reward function reads the environments."""
+    import importlib.util
+    from pathlib import Path
+
+    import mogrpo
+
+    path = Path(__file__).parents[2] / "examples" / "trl_agent_port.py"
+    spec = importlib.util.spec_from_file_location("trl_agent_port", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    use_fake_vllm(monkeypatch, tiny_model)
+    mogrpo.train(example.make_config(
+        model={"name_or_path": str(tiny_model), "chat_template": "tiny_tools"},
+        output={"dir": str(tmp_path / "run")},
+        rollout={"num_generations": 2, "max_completion_length": 160, "engine": "vllm"},
+        train={"max_steps": 1, "micro_batch_size": 4, "gradient_accumulation_steps": 1},
+        sft={"enabled": False}, eval={"at_start": False},
+        logging={"progress_bar": False, "log_completions": True}))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text()
+            .splitlines()]
+    increments = [r for r in rows if '"name": "increment"' in r["completion"]]
+    assert increments and all(re.search(r"<tool_response>\d</tool_response>", r["completion"])
+                              for r in increments)  # the counter after one step of 1..4
+    assert {r["reward/reward_func"] for r in rows} == {0.0}  # none reached 10
