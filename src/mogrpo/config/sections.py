@@ -213,15 +213,30 @@ class TaskConfig(Section):
     """How calls are written: `hermes` (Qwen2.5 and others: a JSON {name, arguments} between
     `<tool_call>` tags), `llama3` (Llama 3.1: a JSON {name, parameters}, `<|python_tag|>`
     optional), `auto`: Hermes where a turn has `<tool_call>`, else Llama 3.1's form."""
+    rollout_func: str | Callable[..., Any] | None = None
+    """The task's rollouts written by you, as TRL's `rollout_func(prompts, trainer)` (spec or,
+    from Python, the function): a dict with `prompt_ids`, `completion_ids`, `logprobs` and
+    optionally `env_mask` (0: tokens it inserted, kept out of the loss). Not with `tools`."""
 
     @property
     def has_tools(self) -> bool:
         """Whether episodes of this task run tools (several turns)."""
         return bool(self.tools) or self.environment is not None
 
+    @model_validator(mode="after")
+    def _one_rollout(self) -> TaskConfig:
+        if self.rollout_func is not None and self.has_tools:
+            raise ValueError("rollout_func samples the whole rollout itself: run its tools "
+                             "inside it, or drop rollout_func and give tools/environment")
+        return self
+
     @field_serializer("tools", when_used="json")
     def _tool_specs(self, tools: list[str | Callable[..., Any]]) -> list[str]:
         return [t if isinstance(t, str) else callable_spec(t) for t in tools]
+
+    @field_serializer("rollout_func", when_used="json")
+    def _rollout_func_spec(self, fn: Any) -> Any:
+        return fn if fn is None or isinstance(fn, str) else callable_spec(fn)
 
     @field_serializer("environment", when_used="json")
     def _environment_spec(self, env: Any) -> Any:
@@ -229,7 +244,7 @@ class TaskConfig(Section):
             return {k: v if isinstance(v, str) else callable_spec(v) for k, v in env.items()}
         return env if env is None or isinstance(env, str) else callable_spec(env)
 
-    @field_validator("tools", "environment", mode="after")
+    @field_validator("tools", "environment", "rollout_func", mode="after")
     @classmethod
     def _named(cls, value: Any, info: Any) -> Any:
         specs = value if isinstance(value, list) else \

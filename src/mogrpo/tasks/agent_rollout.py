@@ -4,15 +4,19 @@ episodes did, as the step's metrics."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from mogrpo.data.schema import Example
 from mogrpo.modeling.chat import render_prompt
+from mogrpo.rollout.custom import rollout_from_output
 from mogrpo.rollout.episodes import ToolLoop, generate_episodes
-from mogrpo.rollout.generate import Rollout
+from mogrpo.rollout.generate import Rollout, resolve_stop_ids
 from mogrpo.tasks.agents import start_episodes, with_observation
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task
@@ -27,6 +31,9 @@ def agent_rollout(ctx: TrainContext, task: Task, examples: list[Example], *,
     agent, tc, rc = task.agent, task.config, ctx.config.rollout
     assert agent is not None
     rows = [ex for ex in examples for _ in range(num_generations)]
+    if agent.rollout_func is not None:
+        return custom_rollout(ctx, task, rows, num_generations=num_generations,
+                              record_logprobs=record_logprobs)
     started = start_episodes(agent, rows)
     texts, add_special = [], False
     for ex, env, observation in zip(rows, started.environments, started.observations,
@@ -46,6 +53,37 @@ def agent_rollout(ctx: TrainContext, task: Task, examples: list[Example], *,
     for episode, env in zip(rollout.episodes or [], started.environments, strict=True):
         episode.environment = env
     return rollout
+
+
+@dataclass
+class RolloutFuncTrainer:
+    """What a `rollout_func` gets as TRL's `trainer`: the attributes TRL-written rollout
+    functions read (`processing_class`, `model`, `num_generations`, `args`)."""
+
+    processing_class: Any
+    model: Any
+    num_generations: int
+    args: SimpleNamespace
+
+
+def custom_rollout(ctx: TrainContext, task: Task, rows: list[Example], *,
+                   num_generations: int, record_logprobs: bool) -> Rollout:
+    """The rows' rollout sampled by the task's `rollout_func`, called as TRL calls it: each
+    prompt K times (row `i * K + k`), a copy, and the trainer."""
+    assert task.agent is not None and task.agent.rollout_func is not None
+    rc = ctx.config.rollout
+    trainer = RolloutFuncTrainer(
+        processing_class=ctx.tokenizer, model=ctx.policy, num_generations=num_generations,
+        args=SimpleNamespace(max_completion_length=rc.completion_length,
+                             max_prompt_length=rc.prompt_length,
+                             temperature=ctx.sampling.temperature,
+                             num_generations=num_generations))
+    output = task.agent.rollout_func(copy.deepcopy([ex.prompt for ex in rows]), trainer)
+    return rollout_from_output(
+        output, ctx.tokenizer, num_generations=num_generations, rows=len(rows),
+        stop_ids=resolve_stop_ids(ctx.policy, ctx.tokenizer, ctx.sampling),
+        max_completion_length=rc.completion_length, record_logprobs=record_logprobs,
+        device=next(ctx.policy.parameters()).device, where=f"tasks.{task.name}.rollout_func")
 
 
 def environments_of(rollout: Rollout, rows: list[int]) -> list[Any]:

@@ -27,7 +27,7 @@ _RESERVED = ("reset", "get_reward")
 
 def _resolve(spec: Any, what: str, where: str) -> Any:
     obj = load_spec(spec, what) if isinstance(spec, str) else spec
-    if what == "tool" and not callable(obj):
+    if what in ("tool", "rollout_func") and not callable(obj):
         raise ConfigError(f"{where}: {spec!r} is a {type(obj).__name__}, not a function")
     if what == "environment" and not inspect.isclass(obj):
         raise ConfigError(f"{where}: {spec!r} is a {type(obj).__name__}, not a class; give "
@@ -73,6 +73,8 @@ class Agent:
     task: str
     tools: dict[str, Callable[..., Any]] = field(default_factory=dict)
     environments: dict[str | None, type] = field(default_factory=dict)
+    rollout_func: Callable[..., Any] | None = None
+    """TRL's `rollout_func(prompts, trainer)`: the task's rollouts sampled by the user's code."""
     _probes: dict[type, Any] = field(default_factory=dict)
     """One instance of each environment class, made at start (as TRL does) for its tools'
     schemas: their methods are bound, so `self` is not an argument."""
@@ -81,9 +83,12 @@ class Agent:
     def from_config(cls, task: str, tc: TaskConfig) -> Agent | None:
         """The task's agent, or None for a single-turn task; every spec resolved and every
         tool's schema built, so a bad one fails before a model loads."""
-        if not tc.has_tools:
+        if not tc.has_tools and tc.rollout_func is None:
             return None
         agent = cls(task)
+        if tc.rollout_func is not None:
+            agent.rollout_func = _resolve(tc.rollout_func, "rollout_func",
+                                          f"tasks.{task}.rollout_func")
         for i, spec in enumerate(tc.tools):
             where = f"tasks.{task}.tools.{i}"
             fn = _resolve(spec, "tool", where)
