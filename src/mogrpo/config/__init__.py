@@ -1,10 +1,9 @@
-"""The run configuration: typed sections (`sections`, on the shared `base`), layered sources
-and validation before any model loads (`load`).
+"""The run configuration: typed sections (`sections`, on the shared `base`; the rollout's in
+`rollout`, a task's KL control in `kl`, health checks, curriculum, memory and precision in
+modules of their own), layered sources and validation before any model loads (`load`).
 
 Every name is importable from here (`from mogrpo.config import RunConfig, load_config`). The
-modules are imported on first use of a name (PEP 562): the `health` and `curriculum`
-sections, which live beside their feature, import `mogrpo.config.base`, and the run's
-sections import them, so importing everything here up front would close that circle.
+modules are imported on first use of a name (PEP 562), so `import mogrpo.config` stays light.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
         to_yaml,
         validate,
     )
+    from mogrpo.config.rollout import RolloutConfig, VLLMConfig, derive_lengths
     from mogrpo.config.sections import (
         AlgorithmConfig,
         DataSource,
@@ -48,22 +48,19 @@ if TYPE_CHECKING:
         ModelConfig,
         OutputConfig,
         RewardConfig,
-        RolloutConfig,
         RunConfig,
         SandboxConfig,
         SFTConfig,
         TaskConfig,
         TrainConfig,
-        VLLMConfig,
         callable_spec,
-        derive_lengths,
     )
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'mogrpo.config' has no attribute {name!r}")
-    for module in ("base", "sections", "load"):  # where each name lives: see the imports above
+    for module in ("base", "sections", "rollout", "load"):  # where each name lives: see the imports above
         found = importlib.import_module(f"mogrpo.config.{module}")
         if name in vars(found):
             globals()[name] = value = vars(found)[name]  # later look-ups do not come here

@@ -23,7 +23,8 @@ from mogrpo.config.hardware import quantized_field, small_gpu_errors
 from mogrpo.config.machine import machine_errors
 from mogrpo.config.model_limits import model_errors
 from mogrpo.config.precision import dtype_conflict
-from mogrpo.config.sections import RunConfig, TaskConfig, derive_lengths
+from mogrpo.config.rollout import derive_lengths
+from mogrpo.config.sections import RunConfig, TaskConfig
 from mogrpo.errors import ConfigError
 
 ENV_PREFIX = "MOGRPO_"

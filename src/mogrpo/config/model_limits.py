@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mogrpo.config.sections import RunConfig, derive_lengths
+from mogrpo.config.rollout import derive_lengths
+from mogrpo.config.sections import RunConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 """A hub id is "name" or "owner/name"; anything else that does not exist locally is a bad path."""

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedTokenizerBase
 
 from mogrpo.config.model_limits import position_limit
-from mogrpo.config.sections import RolloutEngine
+from mogrpo.config.rollout import RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.layout import unsupported_reason
 from mogrpo.rollout.native import Decoded, StepCallback, decode_attention, native_decode

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
-from mogrpo.config.sections import RolloutConfig
+from mogrpo.config.rollout import RolloutConfig
 from mogrpo.errors import ConfigError
 from mogrpo.rollout.processors import NonFiniteGuard
 
