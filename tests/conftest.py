@@ -3,10 +3,11 @@ the compiled decode step built before the first test."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
+
+from kept_logging import logging_kept
 
 # where the machine keeps builds, not a setting of a run: left as the shell has it
 KEPT_ENV = {"MOGRPO_KERNEL_CACHE"}
@@ -26,8 +27,5 @@ def isolated(monkeypatch: pytest.MonkeyPatch):
     """No MOGRPO_* variables from the shell; `main` reconfigures logging, so put it back."""
     for name in [n for n in os.environ if n.startswith("MOGRPO_") and n not in KEPT_ENV]:
         monkeypatch.delenv(name)
-    loggers = [logging.getLogger("mogrpo"), logging.getLogger("transformers")]
-    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
-    yield
-    for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
-        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+    with logging_kept():
+        yield

@@ -12,6 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from kept_logging import logging_kept
 from mogrpo.cli import main
 from mogrpo.demo import demo_base
 from mogrpo.errors import ExitCode
@@ -84,7 +85,8 @@ def micro_2(tiny_model, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("micro2")
     config = write_config(tmp, tiny_model, "run",
                           train={"micro_batch_size": 2, "gradient_accumulation_steps": 4})
-    assert main(["train", str(config)]) == 0
+    with logging_kept():  # outside any one test's own restore
+        assert main(["train", str(config)]) == 0
     return tmp / "run"
 
 

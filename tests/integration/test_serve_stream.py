@@ -100,7 +100,9 @@ def test_the_first_words_arrive_while_the_rest_is_still_being_decoded(echo, monk
         texts.append(chunk.choices[0].text)
         if texts[-1]:
             first_chunk.set()
-    assert waited == [True] and texts[0] == "über"  # sent before the 3rd token was decoded
+    # sent before the 3rd token was decoded: the first one or two words (two when both were
+    # decoded before the server wrote the first chunk, which then carries them together)
+    assert waited == [True] and texts[0] in ("über", "über über")
     assert "".join(texts) == " ".join(["über"] * 6)
 
 
