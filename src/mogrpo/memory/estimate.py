@@ -64,6 +64,7 @@ from mogrpo.config.hardware import quantization_errors, quantized_field
 from mogrpo.config.precision import MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
+from mogrpo.memory.head import chunked, head_bytes, layer_tokens, shared_prompts
 from mogrpo.memory.optimizer import Trained, state_bytes, step_bytes
 from mogrpo.memory.optimizer import describe as describe_optimizer
 
@@ -282,13 +283,13 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
             if precision == "bf16" else "float32 trained weights"
             + (f", matmuls and activations in {'bf' if 'bf' in precision else 'fp'}16 under "
                "autocast" if precision.endswith("-mixed") else "")),
-        "gradients held in training from the 1st micro-batch on (they exist from its backward; "
-        "with accumulation 1 its forward peaks before them), through the optimizer step, and "
-        "freed before the next generation",
+        "gradients held from the 2nd micro-batch of a pass on (with one micro-batch, from its "
+        "backward, which frees the activations as it makes them), through the optimizer step, "
+        "and freed before the next generation",
         *layout.assumptions(), *rm_notes, *vllm_notes]
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, layout.micro_batch, prompt + completion,
-                                    completion + 1)[0] for gc in (False, True)}
+                                    completion + 1, strategy, prompt)[0] for gc in (False, True)}
     other = activations[not mc.gradient_checkpointing]
     for term in terms:
         if term.key == "activations":
@@ -338,9 +339,19 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
              f"({', '.join(sorted({m.leaf for m in modules}))}){per}")
     # held from the first backward to the optimizer step; the trainer frees them before the
     # next rollout (and after the SFT warm-up)
-    _add(terms, "gradients", "gradients", trainable * t_bytes * on_gpu, "training",
-         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; also in the optimizer step "
-         "and SFT, freed before generation", also=("optimizer step", "SFT warm-up"))
+    # with one micro-batch a pass, none exist in its forward, and the backward frees the
+    # activations as it makes them: they are counted with the optimizer step, not training
+    many = layout.rows > layout.micro_batch
+    _add(terms, "gradients", "gradients", trainable * t_bytes * on_gpu,
+         "training" if many else "optimizer step",
+         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; " + (
+             "in training from the 2nd micro-batch on" if many else "one micro-batch a pass: "
+             "from its backward") + ", through the optimizer step; freed before generation",
+         also=("optimizer step", "SFT warm-up") if many else ("SFT warm-up",))
+    if not lc.enabled and shape.tied:
+        _add(terms, "embedding_grad", "tied embedding gradient", shape.vocab * shape.hidden
+             * t_bytes * on_gpu, "optimizer step", "the input embedding's dense gradient at "
+             "the end of the backward, before autograd adds it to the head's")
     if layout.strategy == "ddp":
         _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
              "gradients copied into buckets for the all-reduce")
@@ -358,7 +369,7 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
     # what the step allocates on top of the states (an own phase: no activations)
     _add(terms, "optimizer_step", "optimizer step temporaries",
          step_bytes(kind, trained, t_bytes) * on_gpu, "optimizer step", {
-             "adamw": "foreach AdamW's sqrt(v) buffer",
+             "adamw": "none: fused AdamW steps in place",
              "adafactor": "fp32 grad² and its estimate, of the largest matrix"}.get(
                  kind, "none: bitsandbytes steps in place") + per)
     return terms
@@ -432,23 +443,28 @@ def _fsdp_terms(shape: Architecture, run: RunConfig, c: int) -> list[Term]:
 
 
 def _activations(shape: Architecture, run: RunConfig, p: int, device: str, batch: int, seq: int,
-                 head_positions: int) -> tuple[int, int]:
-    """(bytes, per token per layer) autograd keeps for `batch` sequences of `seq` tokens."""
+                 head_positions: int, strategy: str = "none", prompt: int = 0) -> tuple[int, int]:
+    """(bytes, per token per layer) autograd keeps for `batch` sequences of `seq` tokens, the
+    first `prompt` of them a prompt shared by K rows where the forward shares prompts
+    (`mogrpo.memory.head`: each distinct prompt once, its keys and values joined to each row's)."""
     lc = run.lora
     lora = [m for m in lora_modules(shape, lc.target_modules) if m.layer == 0] if lc.enabled else []
     per_layer = layer_activation_bytes(
         shape, p, full_ft=not lc.enabled, lora=lora, rank=lc.r, dropout=lc.dropout,
         mask_bytes=1 if device == "cuda" else 4,
         eager_len=seq if (run.model.attn_implementation or shape.attention) == "eager" else 0)
-    tokens = batch * seq
+    shared = bool(prompt) and shared_prompts(shape, run, strategy)
+    tokens = layer_tokens(batch, prompt, seq - prompt, run.rollout.num_generations, shared)
+    # each row's copy of its prompt's keys and values, kept by the attention of its completion
+    joined = batch * prompt * 2 * shape.kv_dim * p * shape.layers if shared else 0
     # the final norm's input (fp32 for an RMSNorm); a trainable head also keeps its normed
     # input and the head's input
     norm = 4 if shape.rms_norms else p
-    head = tokens * norm * shape.hidden + (0 if lc.enabled else p * shape.hidden * (
+    kept = tokens * norm * shape.hidden + joined + (0 if lc.enabled else p * shape.hidden * (
         tokens + batch * head_positions))
     if run.model.gradient_checkpointing:  # layer inputs + one layer recomputed at a time
-        return tokens * (shape.layers * p * shape.hidden + per_layer) + head, per_layer
-    return tokens * shape.layers * per_layer + head, per_layer
+        return tokens * (shape.layers * p * shape.hidden + per_layer) + kept, per_layer
+    return tokens * shape.layers * per_layer + kept, per_layer
 
 
 def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
@@ -470,15 +486,21 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
         _add(terms, "prefill", "prefill working set",
              n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12,
              "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a time")
-    act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1)
+    act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1,
+                                  layout.strategy, prompt)
     how = "checkpointed" if run.model.gradient_checkpointing else "no checkpointing"
+    shared = shared_prompts(shape, run, layout.strategy)
     _add(terms, "activations", "activations (training)", act, "training",
-         f"{b} seqs × {seq} tokens × {per_layer / 1024:.0f} KiB/layer, {how}")
-    # the head's logits over the completion, then their gradient, in the activation dtype, and
-    # the fp32 rows the log-softmax keeps for backward (mogrpo.algo.logprobs)
-    _add(terms, "logits", "logits (training)",
-         b * shape.vocab * (p * (completion + 1) + 4 * completion), "training",
-         f"{b} × {completion + 1} × {shape.vocab} vocab × ({p} B + fp32)")
+         f"{b} seqs × {seq} tokens × {per_layer / 1024:.0f} KiB/layer, {how}"
+         + (f"; each distinct prompt once ({math.ceil(b / run.rollout.num_generations)})"
+            if shared else ""))
+    precision = resolve_precision(run.model.precision, run.model.dtype, device)
+    trained_head = not run.lora.enabled
+    head_w = MASTER_BYTES[precision] if trained_head else 4 if precision == "fp32" else 2
+    value, head_how = head_bytes(shape, b, completion, p, trained=trained_head,
+                                      is_chunked=chunked(shape, layout.strategy),
+                                      weight_bytes=head_w)
+    _add(terms, "logits", "log-prob head (training)", value, "training", head_how)
     sft = run.sft
     if sft.enabled:  # the warm-up: whole sequences, and HF's loss upcasts all their logits
         act, _ = _activations(shape, run, p, device, sft.batch_size, sft.max_length,
