@@ -39,3 +39,9 @@ class RewardError(MogrpoError):
 
 class ModelError(MogrpoError):
     """A model or tokenizer cannot be loaded or is unsuitable."""
+
+
+class OutOfMemory(MogrpoError):
+    """The run ran out of memory and could not (or was told not to) go on with smaller batches."""
+
+    exit_code = ExitCode.FOUND_PROBLEM

@@ -1,9 +1,12 @@
-"""`mogrpo serve` on a tiny model: the official OpenAI client, a judge, batching and errors."""
+"""`mogrpo serve` on a tiny model: the official OpenAI client, a judge, batching and errors
+(streaming, concurrency and the completions route: test_serve_stream.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -91,11 +94,11 @@ def test_concurrent_requests_share_generate_calls(served, monkeypatch):
     fill = batcher._fill
     busy, release = threading.Event(), threading.Event()
 
-    def held(jobs):  # the first batch holds the worker, so the next requests queue up behind it
+    def held(jobs, rows):  # the first batch holds the worker, so the next requests queue up
         if not release.is_set():
             busy.set()
             release.wait(20)
-        fill(jobs)
+        fill(jobs, rows)
 
     monkeypatch.setattr(batcher, "_fill", held)
     before = (batcher.batches, batcher.generate_calls)
@@ -120,28 +123,70 @@ def test_concurrent_requests_share_generate_calls(served, monkeypatch):
     for t in [blocker, *threads]:
         t.join(timeout=30)
     assert len(results) == 8 and {status for status, _ in results} == {200}
+    for _ in range(500):  # a request is answered when it stops, before its batch is counted
+        if batcher.batches - before[0] >= 3:
+            break
+        time.sleep(0.01)
     batches, calls = batcher.batches - before[0], batcher.generate_calls - before[1]
     # The blocker alone, then 4 (max_batch) drained at once, then the other 3; the sampled
     # request (top_p 0.5) has its own settings, so its batch makes two generate calls.
     assert (batches, calls, batcher.largest_batch) == (3, 4, 4)
 
 
-@pytest.mark.parametrize(("body", "status", "message"), [
-    ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, 400, "'stream' is not supported"),
-    ({"messages": []}, 400, "messages must be a non-empty list"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "needs a role of system, user or assistant"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, "temperature = 3"),
-    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "fit the model's context"),
-    (b"{not json", 400, "not valid JSON"),
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools",
+     "'tools' is not supported"),
+    ({"messages": []}, "messages", "messages: List should have at least 1 item"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
+     "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature",
+     "temperature: Input should be less than or equal to 2 (got 3)"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, "stop",
+     "at most 4 stop strings"),
+    ({"prompt": "hi"}, "messages", "messages: Field required"),
+    (b"{not json", None, "not valid JSON"),
+    (b"[1, 2]", None, "must be a JSON object"),
 ])
-def test_bad_requests_get_openai_style_errors(served, body, status, message):
+def test_bad_requests_get_openai_style_errors(served, body, param, message):
     code, payload = post(served, body)
-    assert code == status and message in payload["error"]["message"]
-    assert payload["error"]["type"] == "invalid_request_error"
+    assert code == 400 and message in payload["error"]["message"]
+    assert (payload["error"]["type"], payload["error"]["param"]) == ("invalid_request_error", param)
+
+
+def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(served):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(served).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "word " * 600}], stream=True)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "fit the model's context (512)" in error["message"] and error["param"] == "messages"
+
+
+def test_a_body_over_4_mib_is_413_before_it_is_parsed(served):
+    code, payload = post(served, b'{"messages": "' + b"x" * (4 << 20) + b'"}')
+    assert code == 413 and payload["error"]["code"] == "request_too_large"
+    assert payload["error"]["message"] == "the body is over 4194304 bytes"
+
+
+def test_unknown_routes_are_404_in_openai_style(served):
+    code, payload = post_json(served.url + "/embeddings", {"input": "x"})
+    assert code == 404 and "no route POST /v1/embeddings" in payload["error"]["message"]
+    assert payload["error"]["type"] == "not_found_error"
+
+
+def test_health_and_models_with_and_without_the_v1_prefix(served):
+    root = served.url.removesuffix("/v1")
+    for url in (f"{root}/health", f"{root}/v1/health"):
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            assert json.loads(answer.read()) == {"status": "ok"}
+    with urllib.request.urlopen(f"{root}/models", timeout=10) as answer:
+        assert [m["id"] for m in json.loads(answer.read())["data"]] == ["model"]
 
 
 def test_openai_client_sees_a_bad_request_error(served):
-    with pytest.raises(openai.BadRequestError, match="n = 99"):
+    with pytest.raises(openai.BadRequestError, match=r"n: Input should be less than or equal to 16 \(got 99\)"):
         client(served).chat.completions.create(
             model="m", n=99, messages=[{"role": "user", "content": "hi"}])
 

@@ -179,13 +179,8 @@ def grpo_loss(
     kl_weight = _check_arguments(aggregation, kl_estimator, kl_importance_weight, epsilon_low,
                                  epsilon_high, normalizer)
     variant = variant or LossVariant()
-    mask = completion_mask.bool()  # [B, T]
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    # Zero every log-prob at padded positions so pads give ratio 1 and KL 0 and cannot
-    # inject inf/NaN into the loss or, through 0 * inf, into the gradient.
-    logp = torch.where(mask, logp.to(dtype), 0.0)
-    old_logp = torch.where(mask, old_logp.to(dtype), 0.0)
-    adv = advantages.to(dtype).unsqueeze(-1)  # [B, 1]
+    mask, logp, old_logp, adv = _masked_inputs(logp, old_logp, advantages, completion_mask)
+    dtype = logp.dtype  # promoted to at least float32
 
     # w, and the policy term, are [B, T] per token or [B, 1] per sequence (broadcast below)
     policy, clipped, w = policy_term(variant, logp, old_logp, adv, mask, epsilon_low,
@@ -197,17 +192,41 @@ def grpo_loss(
     lengths = mask.sum(dim=-1).clamp(min=1).to(dtype)  # [B]
     penalty, kl_seq = _kl_penalty(logp, ref_logp, mask, w, beta, kl_estimator, kl_weight)
     per_token = (per_token + penalty) * mask  # [B, T]
-    if aggregation == "seq_mean":
-        loss = (per_token.sum(dim=-1) / lengths).sum() / normalizer
-    elif aggregation == "micro_token_mean":  # BNPO: this micro-batch's own token count
-        loss = per_token.sum() / mask.sum().clamp(min=1).to(dtype) / normalizer
-    else:  # token sums; seq_sum, token_mean and fixed_length differ only in the normaliser
-        loss = per_token.sum() / normalizer
+    loss = _aggregate(per_token, mask, lengths, aggregation, normalizer)
+    return _diagnostics(loss, kl_seq, mask, clipped, w, dtype)
 
+
+def _masked_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor,
+                   completion_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(mask [B, T] bool, logp, old_logp [B, T], advantages [B, 1]) in at least float32."""
+    mask = completion_mask.bool()  # [B, T]
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    # Zero every log-prob at padded positions so pads give ratio 1 and KL 0 and cannot
+    # inject inf/NaN into the loss or, through 0 * inf, into the gradient.
+    logp = torch.where(mask, logp.to(dtype), 0.0)
+    old_logp = torch.where(mask, old_logp.to(dtype), 0.0)
+    adv = advantages.to(dtype).unsqueeze(-1)  # [B, 1]
+    return mask, logp, old_logp, adv
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, lengths: Tensor, aggregation: str,
+               normalizer: float) -> Tensor:
+    """The masked per-token loss [B, T] reduced as `aggregation` says, over `normalizer`."""
+    if aggregation == "seq_mean":
+        return (per_token.sum(dim=-1) / lengths).sum() / normalizer
+    if aggregation == "micro_token_mean":  # BNPO: this micro-batch's own token count
+        return per_token.sum() / mask.sum().clamp(min=1).to(lengths.dtype) / normalizer
+    # token sums; seq_sum, token_mean and fixed_length differ only in the normaliser
+    return per_token.sum() / normalizer
+
+
+def _diagnostics(loss: Tensor, kl_seq: Tensor, mask: Tensor, clipped: Tensor, w: Tensor,
+                 dtype: torch.dtype) -> LossOutput:
+    """`loss` and the detached counts logged beside it (clipped tokens, mean ratio)."""
     with torch.no_grad():
         num_tokens = int(mask.sum().item())
         clip_count = (clipped.expand_as(mask) & mask).sum().to(dtype)
-        ratio_mean = (w.expand_as(logp) * mask).sum() / max(num_tokens, 1)
+        ratio_mean = (w.expand_as(mask) * mask).sum() / max(num_tokens, 1)
     return LossOutput(
         loss=loss,
         kl=kl_seq,

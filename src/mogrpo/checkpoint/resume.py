@@ -22,6 +22,7 @@ from mogrpo.config import RunConfig, flatten, to_yaml
 ALLOWED_PREFIXES = (
     "train.max_steps",
     "train.host_memory",
+    "memory.",  # what an out-of-memory error costs; the sizes it adapted are in the state
     "rollout.vllm.server_url",  # where the server runs; it gets the weights before sampling
     "rollout.vllm.server_timeout_s",
     "logging.",

@@ -23,8 +23,9 @@ cannot see fails the save with a `CheckpointError`.
 Resume with the same world size is exact: each process reads back its own shards (bit for
 bit) and its own RNGs. Resume with another world size re-shards: DCP reads every saved shard
 into the new layout (2 -> 1, 1 -> 2 and DDP/none <-> FSDP2 give the same full weights and
-optimizer state); the processes beyond the saved ones keep their seeded RNGs (logged), so
-such a run continues correctly but not bit-identically to an uninterrupted one.
+optimizer state); the processes beyond the saved ones get no RNG back (`restore_rng` is
+False; the run seeds them by rank and step and logs both numbers), so such a run continues
+correctly but not bit-identically to an uninterrupted one.
 
 Interface (every call is collective: all processes call it, in the same order):
 
@@ -269,7 +270,7 @@ def open_sharded(path: Path) -> ShardedLoaded:
     manifest = json.loads((path / store.MANIFEST).read_text(encoding="utf-8"))
     saved_world = int(manifest["world_size"])
     if saved_world != world:
-        log.warning("checkpoint %s was saved by %d processes, this run has %d: the weights and "
+        log.debug("checkpoint %s was saved by %d processes, this run has %d: the weights and "
                     "the optimizer are re-sharded exactly; processes without a saved RNG keep "
                     "their seeded ones, so the run is not bit-identical to an uninterrupted one",
                     path, saved_world, world)

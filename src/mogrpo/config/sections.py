@@ -26,6 +26,7 @@ from mogrpo.config.base import Section
 from mogrpo.config.curriculum import CurriculumConfig
 from mogrpo.config.health import HealthConfig
 from mogrpo.config.kl import KLControlConfig
+from mogrpo.config.memory import MemoryConfig
 from mogrpo.config.precision import Precision
 
 RolloutEngine = Literal["auto", "native", "hf", "vllm"]
@@ -65,6 +66,10 @@ class ModelConfig(Section):
     memory, closer to the 16-bit base; as `load_in_4bit` otherwise, and exclusive with it."""
     use_chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
+    chat_template: str | None = None
+    """A chat template in place of the tokenizer's (saved with the trained model): the Jinja
+    text, a path to a `.jinja` file, or `tiny_tools` (mogrpo's tiny models with tool calls in
+    the Hermes form). Agent tasks need one that renders tools and their results."""
     disable_dropout: bool = True
     """Set the model's own dropout to 0 at load (SFT warm-up included), so rollout, old,
     reference and update passes score identically; LoRA's `lora.dropout` stays as set."""
@@ -189,6 +194,52 @@ class TaskConfig(Section):
     sft_target: str | None = None
     """SFT warm-up target template over the row's columns; default: the first non-empty
     text column of `completion`, `response`, `answer`, else `Answer: {correct_answer}`."""
+    tools: list[str | Callable[..., Any]] = Field(default_factory=list)
+    """Functions the policy may call between its turns (TRL's `tools`), each
+    `package.module:function` or `path/file.py:function`; from Python, the function. Each needs
+    type hints and a docstring: its schema for the chat template comes from them (docs/agents.md)."""
+    environment: str | type | dict[str, str | type] | None = None
+    """A class in TRL's `environment_factory` shape (`package.module:Class`, `path/file.py:Class`;
+    from Python, the class): one instance per rollout, `reset(**row)` may return text added to
+    the prompt, its public methods are tools, `get_reward()` an extra objective named after the
+    class. A mapping {value: class} picks one by the row's `environment` column."""
+    max_tool_calling_iterations: int | None = Field(None, ge=0)
+    """Rounds of tool calls an episode may make; None: until a turn makes no call or the episode
+    fills `rollout.max_completion_length` (which counts tool results too)."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """Longest wait for one round of tool calls; a call still running then gives the model
+    an error message."""
+    tool_call_format: Literal["auto", "hermes", "llama3"] = "auto"
+    """How calls are written: `hermes` (Qwen2.5 and others: a JSON {name, arguments} between
+    `<tool_call>` tags), `llama3` (Llama 3.1: a JSON {name, parameters}, `<|python_tag|>`
+    optional), `auto`: Hermes where a turn has `<tool_call>`, else Llama 3.1's form."""
+
+    @property
+    def has_tools(self) -> bool:
+        """Whether episodes of this task run tools (several turns)."""
+        return bool(self.tools) or self.environment is not None
+
+    @field_serializer("tools", when_used="json")
+    def _tool_specs(self, tools: list[str | Callable[..., Any]]) -> list[str]:
+        return [t if isinstance(t, str) else callable_spec(t) for t in tools]
+
+    @field_serializer("environment", when_used="json")
+    def _environment_spec(self, env: Any) -> Any:
+        if isinstance(env, dict):
+            return {k: v if isinstance(v, str) else callable_spec(v) for k, v in env.items()}
+        return env if env is None or isinstance(env, str) else callable_spec(env)
+
+    @field_validator("tools", "environment", mode="after")
+    @classmethod
+    def _named(cls, value: Any, info: Any) -> Any:
+        specs = value if isinstance(value, list) else \
+            list(value.values()) if isinstance(value, dict) else [value]
+        for spec in specs:
+            if isinstance(spec, str) and ":" not in spec.strip().rstrip(":"):
+                raise ValueError(
+                    f"{info.field_name} entry {spec!r} names no object; give "
+                    "package.module:name or path/to/file.py:name")
+        return value
 
     @field_validator("rewards", mode="before")
     @classmethod
@@ -517,6 +568,8 @@ class RunConfig(Section):
     """Several processes: data parallel (DDP) or sharded (FSDP2)."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     """How generated code is contained by the code rewards (see docs/rewards_code.md)."""
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    """What an out-of-memory error costs: a smaller batch (`adapt`) or the run (`fail`)."""
 
     _limit_notes: dict[str, str] = PrivateAttr(default_factory=dict)
 

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mogrpo.config import RunConfig, derive_lengths
+from mogrpo.config import ModelConfig, RunConfig, derive_lengths
 from mogrpo.config.hardware import quantization_errors, quantized_field
 from mogrpo.config.precision import MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
@@ -253,10 +253,7 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     terms = (_resident_terms(shape, run, precision, device, layout)
              + _phase_terms(shape, run, p, device, layout))
     if precision.endswith("-mixed") and not lc.enabled and not fsdp_bf16:
-        weights = shape.linear_params() + shape.vocab * shape.hidden  # and the head's
-        _add(terms, "autocast", "autocast weight copies", weights * compute, "training",
-             f"{weights / 1e9:.2f} B matmul weights × {compute} B, kept for the backward; "
-             "also while generating and in SFT", also=("generation", "SFT warm-up"))
+        _add_autocast(terms, shape, compute)
     if strategy == "fsdp":
         terms += _fsdp_terms(shape, run, c)
     rm_terms, rm_notes = _reward_model_terms(run, reward_models or {}, device,
@@ -266,15 +263,39 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     terms += vllm_terms
     terms.sort(key=lambda t: PHASES.index(t.phase))  # stable: resident first, then by phase
     prompt, completion = derive_lengths(run.rollout)
+    title = _title(shape, run, precision, w, quantized, layout, (prompt, completion))
+    assumptions = [*_assumptions(shape, mc, precision), *layout.assumptions(), *rm_notes,
+                   *vllm_notes]
+    activations = _activations_both_ways(shape, run, p, device, layout, prompt, completion, terms)
+    return MemoryEstimate(terms, activations, title, assumptions)
+
+
+def _add_autocast(terms: list[Term], shape: Architecture, compute: int) -> None:
+    """Mixed-precision full fine-tuning: the 16-bit copies autocast makes of the matmul weights."""
+    weights = shape.linear_params() + shape.vocab * shape.hidden  # and the head's
+    _add(terms, "autocast", "autocast weight copies", weights * compute, "training",
+         f"{weights / 1e9:.2f} B matmul weights × {compute} B, kept for the backward; "
+         "also while generating and in SFT", also=("generation", "SFT warm-up"))
+
+
+def _title(shape: Architecture, run: RunConfig, precision: str, w: int, quantized: str | None,
+           layout: Layout, lengths: tuple[int, int]) -> str:
+    """The estimate's first line: model, precision, weights, training mode and micro-batch."""
+    prompt, completion = lengths
+    strategy, nproc, lc = layout.strategy, layout.nproc, run.lora
     where = "" if strategy == "none" else (
         f" per process ({strategy}, {nproc} process{'es' if nproc > 1 else ''})")
-    title = (f"memory estimate{where}: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
-             f"{precision}, {w} B weights"
-             f"{f' ({quantized[-4]}-bit base)' if quantized else ''}, "
-             f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
-             f"{layout.micro_batch} × ({prompt} prompt + {completion} completion) tokens")
+    return (f"memory estimate{where}: {shape.model_type}, {shape.params / 1e9:.2f} B params, "
+            f"{precision}, {w} B weights"
+            f"{f' ({quantized[-4]}-bit base)' if quantized else ''}, "
+            f"{f'LoRA r {lc.r}' if lc.enabled else 'full fine-tuning'}, micro-batch "
+            f"{layout.micro_batch} × ({prompt} prompt + {completion} completion) tokens")
+
+
+def _assumptions(shape: Architecture, mc: ModelConfig, precision: str) -> list[str]:
+    """What the estimate assumes of attention, precision and gradients' lifetime."""
     eager = (mc.attn_implementation or shape.attention) == "eager"
-    assumptions = [
+    return [
         "eager attention keeps s×s scores" + (f" ({shape.model_type}'s default)"
                                               if not mc.attn_implementation else "")
         if eager else "fused SDPA/flash attention (no s×s scores kept)",
@@ -285,16 +306,24 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
                "autocast" if precision.endswith("-mixed") else "")),
         "gradients held from the 2nd micro-batch of a pass on (with one micro-batch, from its "
         "backward, which frees the activations as it makes them), through the optimizer step, "
-        "and freed before the next generation",
-        *layout.assumptions(), *rm_notes, *vllm_notes]
+        "and freed before the next generation"]
+
+
+def _activations_both_ways(shape: Architecture, run: RunConfig, p: int, device: str,
+                           layout: Layout, prompt: int, completion: int,
+                           terms: list[Term]) -> dict[bool, int]:
+    """Training activations without and with gradient checkpointing; the activations term's
+    note gains the figure of the setting the run does not use."""
+    checkpointing = run.model.gradient_checkpointing
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, layout.micro_batch, prompt + completion,
-                                    completion + 1, strategy, prompt)[0] for gc in (False, True)}
-    other = activations[not mc.gradient_checkpointing]
+                                    completion + 1, layout.strategy, prompt)[0]
+                   for gc in (False, True)}
+    other = activations[not checkpointing]
     for term in terms:
         if term.key == "activations":
-            term.note += f" ({'without' if mc.gradient_checkpointing else 'with'}: {other / GIB:.2f})"
-    return MemoryEstimate(terms, activations, title, assumptions)
+            term.note += f" ({'without' if checkpointing else 'with'}: {other / GIB:.2f})"
+    return activations
 
 
 def _quantized(run: RunConfig) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -9,6 +10,22 @@ from transformers import PreTrainedTokenizerBase
 from mogrpo.errors import ModelError
 
 ROLES = ("system", "user", "assistant")
+
+
+def resolve_chat_template(value: str) -> str:
+    """`model.chat_template`'s Jinja text: `tiny_tools`, a `.jinja` file's text, or itself."""
+    if value == "tiny_tools":
+        from mogrpo.modeling.tiny import TOOL_CHAT_TEMPLATE
+
+        return TOOL_CHAT_TEMPLATE
+    if value.strip().endswith(".jinja") and "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ModelError(f"model.chat_template: file {value} not found (resolved to "
+                             f"{path.resolve()}); give a .jinja file, the template's text or "
+                             "tiny_tools")
+        return path.read_text(encoding="utf-8")
+    return value
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -35,6 +52,7 @@ def render_prompt(
     *,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, bool]:
     """Render `prompt` to text; returns (text, add_special_tokens to use when tokenizing it).
 
@@ -42,7 +60,8 @@ def render_prompt(
     already holds its special tokens (BOS, role headers), so it is tokenized with
     `add_special_tokens=False` to avoid a doubled BOS. `system_prompt` is added as a system
     message unless the messages already start with one; without a template it is prepended to the
-    text, separated by a blank line.
+    text, separated by a blank line. `tools` (JSON schemas) go to the template, which renders
+    them where the model family expects them (a tool-calling task needs a chat template).
     """
     template = has_chat_template(tokenizer)
     use = template if use_chat_template is None else use_chat_template
@@ -53,6 +72,11 @@ def render_prompt(
             "model.use_chat_template: false to send prompts as plain text"
         )
 
+    if tools and not use:
+        raise ModelError(
+            "the task has tools but no chat template is in use: the template renders the tools "
+            "and their results; set model.chat_template to a template that supports tool calls"
+        )
     if isinstance(prompt, str):
         if not use:
             text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
@@ -68,5 +92,7 @@ def render_prompt(
         messages = list(_check_messages(prompt))
     if system_prompt and (not messages or messages[0]["role"] != "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **extra)
     return str(text), False

@@ -13,6 +13,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -168,40 +169,14 @@ def load_policy(
         raise ConfigError("model.load_in_4bit and model.load_in_8bit are both set; keep one")
     bits = 4 if load_in_4bit else 8 if load_in_8bit else None
     _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation)
-    _check_source(name_or_path, "model")
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:  # ValueError: a directory without a usable config.json
-        raise _unreachable(name_or_path, "model", err) from err
-    remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
-    if getattr(config, "is_encoder_decoder", False) or not (
-        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or remote_causal
-    ):
-        raise ModelError(
-            f"model {name_or_path!r} (model_type {config.model_type!r}) is not a causal language model; "
-            "mogrpo trains decoder-only models such as Llama, Qwen2, Mistral or Gemma"
-        )
+    config = _causal_lm_config(name_or_path, trust_remote_code)
     if lora is not None:
         check_lora_targets(config, lora.target_modules, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(
         tokenizer_name_or_path or name_or_path, trust_remote_code=trust_remote_code
     )
-
-    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    if bits:
-        kwargs["quantization_config"] = quantization_config(bits, torch_dtype)
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
-    elif device is not None and device.type == "cuda":
-        kwargs["device_map"] = {"": torch.cuda.current_device() if device.index is None
-                                else device.index}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
-    except OSError as err:
-        raise _unreachable(name_or_path, "model", err) from err
-    except (ValueError, ImportError) as err:
-        raise ModelError(f"cannot load model {name_or_path!r}: {err}") from err
+    model = _load_weights(name_or_path, _load_kwargs(torch_dtype, trust_remote_code,
+                                                     attn_implementation, bits, device))
     if disable_dropout:
         _log_dropout(switch_off_dropout(model), lora)
 
@@ -224,6 +199,50 @@ def load_policy(
         total,
     )
     return model, tokenizer
+
+
+def _causal_lm_config(name_or_path: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The model's transformers config; a ModelError unless it is a decoder-only causal LM."""
+    _check_source(name_or_path, "model")
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:  # ValueError: a directory without a usable config.json
+        raise _unreachable(name_or_path, "model", err) from err
+    remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if getattr(config, "is_encoder_decoder", False) or not (
+        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or remote_causal
+    ):
+        raise ModelError(
+            f"model {name_or_path!r} (model_type {config.model_type!r}) is not a causal language model; "
+            "mogrpo trains decoder-only models such as Llama, Qwen2, Mistral or Gemma"
+        )
+    return config
+
+
+def _load_kwargs(torch_dtype: torch.dtype, trust_remote_code: bool,
+                 attn_implementation: str | None, bits: int | None,
+                 device: torch.device | None) -> dict:
+    """`from_pretrained`'s arguments: dtype, attention, quantisation and target device."""
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if bits:
+        kwargs["quantization_config"] = quantization_config(bits, torch_dtype)
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    elif device is not None and device.type == "cuda":
+        kwargs["device_map"] = {"": torch.cuda.current_device() if device.index is None
+                                else device.index}
+    return kwargs
+
+
+def _load_weights(name_or_path: str, kwargs: dict) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained`, its failures as ModelErrors that say why."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        raise _unreachable(name_or_path, "model", err) from err
+    except (ValueError, ImportError) as err:
+        raise ModelError(f"cannot load model {name_or_path!r}: {err}") from err
 
 
 def _log_dropout(changed: dict[str, float], lora: LoraSettings | None) -> None:

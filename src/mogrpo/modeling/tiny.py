@@ -62,6 +62,34 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
 
+# The same turns, plus tool calling in the Hermes / Qwen2.5 form: the tools listed in a system
+# turn, a call written `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, its result
+# in a user turn `<tool_response>...</tool_response>`. For agent tasks on tiny models
+# (`model.chat_template`); the tools are listed by name and arguments to keep prompts short.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools -%}{{ '<|system|>\\nTools:' }}"
+    "{%- for t in tools -%}{{ ' ' + t['function']['name'] + '('"
+    " + (t['function']['parameters']['properties'] | list | join(', ')) + ')' }}{%- endfor -%}"
+    "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|eot|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|user|>\\n<tool_response>' + message['content'] + '</tool_response><|eot|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined"
+    " and message['tool_calls'] -%}"
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{%- for c in message['tool_calls'] -%}"
+    "{{ '<tool_call>' + ({'name': c['function']['name'], 'arguments': c['function']['arguments']}"
+    " | tojson) + '</tool_call>' }}"
+    "{%- endfor -%}{{ '<|eot|>\\n' }}"
+    "{%- elif message['role'] in ['system', 'user', 'assistant'] -%}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|eot|>\\n' }}"
+    "{%- else -%}{{ raise_exception('Unknown chat role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                  "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                  "gemma": (GemmaConfig, GemmaForCausalLM)}

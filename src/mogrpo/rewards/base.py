@@ -96,11 +96,23 @@ def resolve_reward(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def _load_file(target: str, spec: str) -> ModuleType:
+def load_spec(spec: str, kind: str) -> Any:
+    """The object `package.module:name` or `path/to/file.py:name` names (a tool, an
+    environment class); errors name `kind` and the spec."""
+    target, _, attr = spec.strip().rpartition(":")
+    if not target or not attr:
+        raise RewardError(f"{kind} {spec!r} is incomplete; give package.module:name or "
+                          "path/to/file.py:name")
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    module = _load_file(target, spec, kind) if is_file else _import_module(target, spec, kind)
+    return _attribute(module, target, attr, spec, kind)
+
+
+def _load_file(target: str, spec: str, kind: str = "reward") -> ModuleType:
     path = Path(target).expanduser()
     if not path.is_file():
         raise RewardError(
-            f"reward {spec!r}: file {target} not found (resolved to {path.resolve()}); "
+            f"{kind} {spec!r}: file {target} not found (resolved to {path.resolve()}); "
             "expected path/to/file.py:function"
         )
     resolved = path.resolve()
@@ -112,7 +124,7 @@ def _load_file(target: str, spec: str) -> ModuleType:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, resolved)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"reward {spec!r}: {target} cannot be loaded as a Python module")
+        raise RewardError(f"{kind} {spec!r}: {target} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
@@ -120,31 +132,32 @@ def _load_file(target: str, spec: str) -> ModuleType:
     except Exception as e:
         del sys.modules[name]
         raise RewardError(
-            f"reward {spec!r}: running {target} raised {type(e).__name__}: {e}{_where(e)}"
+            f"{kind} {spec!r}: running {target} raised {type(e).__name__}: {e}{_where(e)}"
         ) from e
     return module
 
 
-def _import_module(target: str, spec: str) -> ModuleType:
+def _import_module(target: str, spec: str, kind: str = "reward") -> ModuleType:
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         if e.name and (target == e.name or target.startswith(e.name + ".")):
             raise RewardError(
-                f"reward {spec!r}: module {target!r} not found ({e.name!r} cannot be imported); "
+                f"{kind} {spec!r}: module {target!r} not found ({e.name!r} cannot be imported); "
                 "install it, add its directory to PYTHONPATH, or give path/to/file.py:function"
             ) from None
         raise RewardError(
-            f"reward {spec!r}: module {target!r} imports {e.name!r}, which is not installed; "
+            f"{kind} {spec!r}: module {target!r} imports {e.name!r}, which is not installed; "
             f"install it{_where(e)}"
         ) from e
     except Exception as e:
         raise RewardError(
-            f"reward {spec!r}: importing {target!r} raised {type(e).__name__}: {e}{_where(e)}"
+            f"{kind} {spec!r}: importing {target!r} raised {type(e).__name__}: {e}{_where(e)}"
         ) from e
 
 
-def _attribute(module: ModuleType, target: str, attr: str, spec: str) -> Any:
+def _attribute(module: ModuleType, target: str, attr: str, spec: str,
+               kind: str = "reward") -> Any:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -156,7 +169,7 @@ def _attribute(module: ModuleType, target: str, attr: str, spec: str) -> Any:
             close = difflib.get_close_matches(part, defined, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise RewardError(
-                f"reward {spec!r}: {target} has no attribute {attr!r}; {hint}functions defined "
+                f"{kind} {spec!r}: {target} has no attribute {attr!r}; {hint}functions defined "
                 f"there: {', '.join(defined[:12]) or '(none)'}. Expected form: {_FORMS}"
             )
         obj = getattr(obj, part)
@@ -455,11 +468,14 @@ def score_examples(
     *,
     trainer_state: TrainerState | None = None,
     log: RewardLog | None = None,
+    extra_columns: dict[str, list] | None = None,
 ) -> torch.Tensor:
     """`score` for the completions of `examples` (one example per completion, each prompt's
     repeated K times): builds TRL's arguments and the columns. `completion_ids` [B, C] is
-    right-padded, row b holding `lengths[b]` tokens. Returns float32 `[B, J]`."""
-    columns = reward_columns(examples, lengths, truncated)
+    right-padded, row b holding `lengths[b]` tokens; `extra_columns` (one value per
+    completion) are passed too (`environments`: each rollout's environment). Returns float32
+    `[B, J]`."""
+    columns = reward_columns(examples, lengths, truncated) | (extra_columns or {})
     prompts = [ex.prompt for ex in examples]
     ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths, strict=True)]
     return score(fns, prompts, as_completions(prompts, texts), columns, completion_ids=ids,

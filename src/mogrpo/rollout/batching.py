@@ -26,6 +26,9 @@ def select_groups(rollout: Rollout, groups: list[int]) -> Rollout:
         prompt_truncated=rollout.prompt_truncated,
         nonfinite_logits=rollout.nonfinite_logits,
         sampler_logp=rollout.sampler_logp[index] if rollout.sampler_logp is not None else None,
+        generated_mask=(rollout.generated_mask[index] if rollout.generated_mask is not None
+                        else None),
+        episodes=[rollout.episodes[r] for r in rows] if rollout.episodes is not None else None,
     )
 
 
@@ -55,6 +58,11 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         nonfinite_logits=sum(r.nonfinite_logits for r in parts),
         sampler_logp=(torch.cat([right(r.sampler_logp, C, 0) for r in parts])
                       if all(r.sampler_logp is not None for r in parts) else None),
+        # a single-turn part's sampled tokens are all of its completion's
+        generated_mask=(torch.cat([right(r.train_mask, C, 0) for r in parts])
+                        if any(r.generated_mask is not None for r in parts) else None),
+        episodes=([e for r in parts for e in (r.episodes or [None] * r.batch_size)]
+                  if any(r.episodes is not None for r in parts) else None),
     )
 
 

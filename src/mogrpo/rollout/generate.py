@@ -9,6 +9,7 @@ exactly the distribution that was sampled.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from mogrpo.config.model_limits import position_limit
 from mogrpo.config.sections import RolloutEngine
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rollout.layout import unsupported_reason
-from mogrpo.rollout.native import Decoded, decode_attention, native_decode
+from mogrpo.rollout.native import Decoded, StepCallback, decode_attention, native_decode
 from mogrpo.rollout.processors import NonFiniteGuard, PresenceFrequencyPenalty
 from mogrpo.rollout.projections import decode_projections
 from mogrpo.rollout.sampling import SamplingSettings
@@ -54,6 +55,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, C] right-padded with the pad id
     completion_mask: torch.Tensor  # [B, C] 1 up to and including the first stop token
+    # (an episode of several turns: 1 on every token of it, the inserted ones too)
     lengths: torch.Tensor  # [B] int, completion_mask.sum(-1)
     truncated: torch.Tensor  # [B] bool, no stop token within max_new_tokens
     texts: list[str]
@@ -64,6 +66,19 @@ class Rollout:
     sampler_logp: torch.Tensor | None = None
     """[B, C] log-prob of each token at sampling time (native engine: under softmax(logits / T);
     vllm: under the distribution vLLM sampled from), when asked; else None."""
+    generated_mask: torch.Tensor | None = None
+    """[B, C] 1 on the tokens the policy sampled, 0 on the tool results and template text
+    inserted between the turns of an episode (`mogrpo.rollout.episodes`); None: a single turn,
+    every token of `completion_mask` sampled."""
+    episodes: list[Any] | None = None
+    """Per row: what its episode did (`mogrpo.rollout.episodes.Episode`: turns, tool calls,
+    its environment), None for a single-turn row; None when no row has an episode."""
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """[B, C] the tokens the loss, the KL and the length normalisers count: those the
+        policy sampled. `completion_mask` stays the attention mask of the whole sequence."""
+        return self.completion_mask if self.generated_mask is None else self.generated_mask
 
     @property
     def batch_size(self) -> int:
@@ -285,7 +300,7 @@ def _decode_batches(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     settings: SamplingSettings, chosen: str, *, stop_ids: list[int], pad_id: int,
     generator_seed: int | None, generation_batch_size: int | None, record_logprobs: bool,
-    plain_max_bytes: int | None = None,
+    plain_max_bytes: int | None = None, on_step: StepCallback | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
     """Decode [B, P] prompt rows in batches of `generation_batch_size` with `native` or `hf`.
     Returns (token parts, log-prob parts, non-finite logits replaced, rows reset)."""
@@ -307,8 +322,12 @@ def _decode_batches(
         for start in range(0, rows, step):
             ids, mask = prompt_ids[start:start + step], prompt_mask[start:start + step]
             if chosen == "native":
+                # the callback numbers rows over the whole [B, P], not this batch's slice
+                shifted = on_step if on_step is None or start == 0 else \
+                    functools.partial(_shifted_step, on_step, start)
                 out = native_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id,
-                                    record_logprobs=record_logprobs, projections=projections)
+                                    record_logprobs=record_logprobs, projections=projections,
+                                    on_step=shifted)
             else:
                 out = _hf_decode(model, ids, mask, settings, stop_ids=stop_ids, pad_id=pad_id)
             parts.append(out.tokens)
@@ -318,31 +337,12 @@ def _decode_batches(
     return parts, logps, nonfinite, rows_reset
 
 
-def generate_rollout(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_texts: list[str],
-    settings: SamplingSettings,
-    *,
-    num_generations: int,
-    max_prompt_length: int,
-    add_special_tokens: bool = True,
-    generator_seed: int | None = None,
-    engine: str | ExternalEngine = "auto",
-    generation_batch_size: int | None = None,
-    record_logprobs: bool = False,
-    plain_max_bytes: int | None = None,
-) -> Rollout:
-    """Sample `num_generations` completions for each prompt.
-
-    `engine` is `native` (mogrpo's decode loop), `hf` (`model.generate`), `auto` (native
-    where the model can run on it) or an `ExternalEngine` object (the colocated vLLM engine,
-    which batches on its own). `generation_batch_size` caps the completions decoded at
-    once (None: all). `generator_seed` makes the sample reproducible without disturbing the
-    global RNG stream. `record_logprobs` (native and vllm engines) keeps each token's
-    sampling-time log-prob in `Rollout.sampler_logp`. `plain_max_bytes` bounds the weight
-    copies the native engine makes to decode faster (None: its default, `PLAIN_MAX_BYTES`).
-    """
+def _check_rollout_arguments(
+    model: nn.Module, prompt_texts: list[str], settings: SamplingSettings, *,
+    num_generations: int, max_prompt_length: int, engine: str | ExternalEngine,
+    generation_batch_size: int | None,
+) -> None:
+    """Reject `generate_rollout`'s bad arguments before anything is tokenized or decoded."""
     if num_generations < 1:
         raise ConfigError(f"num_generations = {num_generations} must be >= 1")
     if engine == "vllm":
@@ -363,6 +363,10 @@ def generate_rollout(
             f"{max_prompt_length + settings.max_new_tokens} exceeds the model's {limit} "
             f"positions ({source}); lower one of them so they fit"
         )
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The tokenizer's pad id, else its EOS id."""
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -370,39 +374,129 @@ def generate_rollout(
         raise ConfigError(
             "the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token"
         )
-    stop_ids = resolve_stop_ids(model, tokenizer, settings)
+    return pad_id
 
-    prompt_ids, prompt_mask, cut = tokenize_prompts(
-        tokenizer,
-        prompt_texts,
-        max_prompt_length=max_prompt_length,
-        add_special_tokens=add_special_tokens,
-        pad_id=pad_id,
-    )
+
+def _prompt_rows(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 num_generations: int, cut: int,
+                 max_prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's ids and mask repeated K times, row `i * K + k`, on the model's device."""
     if cut:
-        logger.debug(
-            "%d of %d prompts cut from the left to %d tokens",
-            cut,
-            len(prompt_texts),
-            max_prompt_length,
-        )
+        logger.debug("%d of %d prompts cut from the left to %d tokens",
+                     cut, prompt_ids.shape[0], max_prompt_length)
     device = next(model.parameters()).device
     rows_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
     rows_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [B, P]
+    return rows_ids, rows_mask
+
+
+def _decode_external(
+    engine: ExternalEngine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    settings: SamplingSettings, *, num_generations: int, stop_ids: list[int], pad_id: int,
+    seed: int | None, record_logprobs: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int, int]:
+    """Decode with an engine that batches on its own, given each [B, P] prompt once unpadded.
+    Returns what `_decode_batches` does, in one part."""
+    unpadded = [ids[mask.bool()].tolist()
+                for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+    out = engine.decode(unpadded, settings, num_generations=num_generations,
+                        stop_ids=stop_ids, pad_id=pad_id, seed=seed,
+                        record_logprobs=record_logprobs)
+    return [out.tokens], [out.logp], 0, 0
+
+
+def _decode_texts(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor,
+                  lengths: torch.Tensor) -> list[str]:
+    """Each completion's text, up to its length, without special tokens and stripped."""
+    return [
+        tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip()
+        for row, n in zip(completion_ids, lengths, strict=True)
+    ]
+
+
+def _shifted_step(on_step: StepCallback, start: int, rows: torch.Tensor,
+                  tokens: torch.Tensor) -> None:
+    on_step(rows + start, tokens)
+
+
+def decode_rows(
+    model: nn.Module, rows_ids: torch.Tensor, rows_mask: torch.Tensor,
+    settings: SamplingSettings, engine: str | ExternalEngine, *, stop_ids: list[int],
+    pad_id: int, generation_batch_size: int | None = None, record_logprobs: bool = False,
+    plain_max_bytes: int | None = None,
+) -> Decoded:
+    """One continuation of each [B, P] left-padded row of token ids (an episode's next turn):
+    the raw tokens [B, C] (not cut at the stop), and their sampling-time log-probs when asked
+    and the engine records them."""
+    if isinstance(engine, str):
+        chosen = choose_engine(model, engine, rows_ids.shape[1] + settings.max_new_tokens)
+        parts, logps, nonfinite, rows_reset = _decode_batches(
+            model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
+            generator_seed=None, generation_batch_size=generation_batch_size,
+            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
+        recorded = record_logprobs and chosen == "native"
+    else:
+        parts, logps, nonfinite, rows_reset = _decode_external(
+            engine, rows_ids, rows_mask, settings, num_generations=1, stop_ids=stop_ids,
+            pad_id=pad_id, seed=None, record_logprobs=record_logprobs)
+        recorded = record_logprobs
+    logp = _pad_right(logps, 0) if recorded and all(p is not None for p in logps) else None
+    return Decoded(_pad_right(parts, pad_id), nonfinite, logp, rows_reset)
+
+
+def generate_rollout(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_texts: list[str],
+    settings: SamplingSettings,
+    *,
+    num_generations: int,
+    max_prompt_length: int,
+    add_special_tokens: bool = True,
+    generator_seed: int | None = None,
+    engine: str | ExternalEngine = "auto",
+    generation_batch_size: int | None = None,
+    record_logprobs: bool = False,
+    plain_max_bytes: int | None = None,
+    on_step: StepCallback | None = None,
+) -> Rollout:
+    """Sample `num_generations` completions for each prompt.
+
+    `engine` is `native` (mogrpo's decode loop), `hf` (`model.generate`), `auto` (native
+    where the model can run on it) or an `ExternalEngine` object (the colocated vLLM engine,
+    which batches on its own). `generation_batch_size` caps the completions decoded at
+    once (None: all). `generator_seed` makes the sample reproducible without disturbing the
+    global RNG stream. `record_logprobs` (native and vllm engines) keeps each token's
+    sampling-time log-prob in `Rollout.sampler_logp`. `plain_max_bytes` bounds the weight
+    copies the native engine makes to decode faster (None: its default, `PLAIN_MAX_BYTES`).
+    `on_step(rows, tokens)` (native engine only; the others never call it) sees each decode
+    step's tokens as they are chosen: the rows [b] still decoding, numbered as the rollout's
+    rows, and their new tokens [b].
+    """
+    _check_rollout_arguments(model, prompt_texts, settings, num_generations=num_generations,
+                             max_prompt_length=max_prompt_length, engine=engine,
+                             generation_batch_size=generation_batch_size)
+    pad_id = _pad_id(tokenizer)
+    stop_ids = resolve_stop_ids(model, tokenizer, settings)
+
+    prompt_ids, prompt_mask, cut = tokenize_prompts(
+        tokenizer, prompt_texts, max_prompt_length=max_prompt_length,
+        add_special_tokens=add_special_tokens, pad_id=pad_id,
+    )
+    rows_ids, rows_mask = _prompt_rows(model, prompt_ids, prompt_mask, num_generations, cut,
+                                       max_prompt_length)
     if isinstance(engine, str):
         chosen = choose_engine(model, engine, rows_ids.shape[1] + settings.max_new_tokens)
         parts, logps, nonfinite, rows_reset = _decode_batches(
             model, rows_ids, rows_mask, settings, chosen, stop_ids=stop_ids, pad_id=pad_id,
             generator_seed=generator_seed, generation_batch_size=generation_batch_size,
-            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes)
+            record_logprobs=record_logprobs, plain_max_bytes=plain_max_bytes, on_step=on_step)
     else:  # vLLM batches itself: one request per prompt, n = K completions each
         chosen = "external"
-        unpadded = [ids[mask.bool()].tolist()
-                    for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-        out = engine.decode(unpadded, settings, num_generations=num_generations,
-                            stop_ids=stop_ids, pad_id=pad_id, seed=generator_seed,
-                            record_logprobs=record_logprobs)
-        parts, logps, nonfinite, rows_reset = [out.tokens], [out.logp], 0, 0
+        parts, logps, nonfinite, rows_reset = _decode_external(
+            engine, prompt_ids, prompt_mask, settings, num_generations=num_generations,
+            stop_ids=stop_ids, pad_id=pad_id, seed=generator_seed,
+            record_logprobs=record_logprobs)
     if nonfinite:
         logger.warning("replaced %d non-finite logits during rollout (%d rows reset)",
                        nonfinite, rows_reset)
@@ -411,10 +505,7 @@ def generate_rollout(
     completion_ids, completion_mask, lengths, truncated = split_completions(
         generated, stop_ids, pad_id
     )
-    texts = [
-        tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True).strip()
-        for row, n in zip(completion_ids, lengths, strict=True)
-    ]
+    texts = _decode_texts(tokenizer, completion_ids, lengths)
     return Rollout(
         prompt_ids=rows_ids,
         prompt_mask=rows_mask,

@@ -22,6 +22,7 @@ completions, for the passes that score them: `rollout/scoring.py`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -381,6 +382,10 @@ class Decoded:
     rows_reset: int = 0  # rows whose logits were all non-finite
 
 
+StepCallback = Callable[[Tensor, Tensor], None]
+"""Called after each decode step with (rows still decoding [b], the token each chose [b])."""
+
+
 def decode_attention(device: torch.device) -> AbstractContextManager:
     """The attention kernels a decode may use on `device`: on CUDA, SDPA's flash,
     memory-efficient and math kernels, not cuDNN's.
@@ -410,22 +415,27 @@ def native_decode(
     pad_id: int,
     record_logprobs: bool = False,
     projections: Projections | None = None,
+    on_step: StepCallback | None = None,
 ) -> Decoded:
     """Sample up to `settings.max_new_tokens` tokens for every prompt row [B, P]
-    (`projections`: see `NativeDecoder`).
+    (`projections`: see `NativeDecoder`). `on_step(rows, tokens)`, when given, is called after
+    every decode step with the rows still decoding [b] and the token each just chose [b]
+    (`mogrpo serve` streams them).
 
     The loop runs in inference mode (no autograd bookkeeping at all: ~10 % of a small model's
     decode, whose operations are tiny); its results are returned as ordinary tensors, which
     the training forward can use (inference tensors cannot be saved for a backward)."""
     with torch.inference_mode():
         out = _decode(NativeDecoder(model, projections), prompt_ids, prompt_mask, settings,
-                      stop_ids=stop_ids, pad_id=pad_id, record_logprobs=record_logprobs)
+                      stop_ids=stop_ids, pad_id=pad_id, record_logprobs=record_logprobs,
+                      on_step=on_step)
     return Decoded(out.tokens.clone(), out.nonfinite_logits,
                    out.logp.clone() if out.logp is not None else None, out.rows_reset)
 
 
 def _decode(decoder: NativeDecoder, prompt_ids: Tensor, prompt_mask: Tensor, settings, *,
-            stop_ids: list[int], pad_id: int, record_logprobs: bool) -> Decoded:
+            stop_ids: list[int], pad_id: int, record_logprobs: bool,
+            on_step: StepCallback | None = None) -> Decoded:
     B, N = prompt_ids.shape[0], settings.max_new_tokens
     device = prompt_ids.device
     logits = decoder.prefill(prompt_ids, prompt_mask, N)  # [B, V]
@@ -446,6 +456,8 @@ def _decode(decoder: NativeDecoder, prompt_ids: Tensor, prompt_mask: Tensor, set
         if logp is not None:
             logp[live, t] = torch.log_softmax(logits / temperature, dim=-1).gather(
                 1, chosen[:, None]).squeeze(1)
+        if on_step is not None:
+            on_step(live, chosen)
         steps = t + 1
         if t == N - 1:
             break

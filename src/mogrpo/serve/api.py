@@ -1,197 +1,218 @@
-"""The OpenAI chat-completions schema for `mogrpo serve`: request checks, responses, HTTP handler.
+"""The OpenAI request and response formats of `mogrpo serve`: request models, errors, responses
+and stream chunks.
 
-Supported request fields: messages (system/user/assistant; string content or text parts),
-temperature (0 = greedy), top_p, max_tokens / max_completion_tokens (capped at the server's
---max-new-tokens), stop (up to 4 strings, applied to the text after generation), n,
-presence_penalty, frequency_penalty and seed (best effort: a batch shares one seed). `model` is
-accepted whatever it says (the server has one model). stream, tools and logprobs are refused.
+Supported request fields: `messages` (system/developer/user/assistant; string content or text
+parts) or `prompt` (a string or a list of strings), temperature (0 = greedy), top_p, max_tokens /
+max_completion_tokens (capped at the server's --max-new-tokens), stop (up to 4 strings, applied
+to the text), n, presence_penalty, frequency_penalty, seed (best effort: a batch shares one
+seed), stream and stream_options.include_usage. Other fields OpenAI clients send (user,
+metadata, ...) are ignored; tools, logprobs, echo, suffix, best_of > 1 and non-text response
+formats are refused with 400.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler
-from typing import Any, Protocol
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mogrpo.errors import ConfigError
 from mogrpo.rollout.generate import SamplingSettings
 
-logger = logging.getLogger(__name__)
-
 MAX_BODY_BYTES = 4 << 20
 MAX_N = 16
-_UNSUPPORTED = ("stream", "tools", "functions", "logprobs", "top_logprobs", "response_format")
+MAX_PROMPTS = 64
+# refused unless absent or neutral (None, False, empty, a text response format, best_of 1)
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "logprobs", "top_logprobs",
+                "response_format", "echo", "suffix", "best_of", "logit_bias")
+
+
+def _neutral(name: str, value: Any) -> bool:
+    if value is None or value is False or value in ([], {}, "", "none", {"type": "text"}):
+        return True
+    return name == "best_of" and type(value) is int and value == 1
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP status and an OpenAI-style error message."""
+    """A request the server refuses: HTTP status and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+        kind = {404: "not_found_error", 413: "invalid_request_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param,
+                          "code": self.code}}
 
 
-class Server(Protocol):
-    model_name: str
-    created: int
+class _Request(BaseModel):
+    """Fields both endpoints share. Strict: 1.5 is not an int, "1" not a number, true not 1."""
 
-    def complete(self, request: dict[str, Any]) -> dict[str, Any]: ...
+    # extra="allow": OpenAI clients send fields the server has no use for (user, metadata)
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name in _UNSUPPORTED:
+                if not _neutral(name, body.get(name)):
+                    raise RequestError(400, f"{name!r} is not supported by mogrpo serve", name,
+                                       "unsupported_parameter")
+        return body
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop strings")
+        return stop
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def sampling(self, max_new_tokens: int) -> SamplingSettings:
+        """The sampling settings asked for; max_tokens is capped at the server's limit, which
+        keeps one request from holding the worker for minutes."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        limit = self.max_completion_tokens or self.max_tokens or max_new_tokens
+        try:
+            return SamplingSettings(
+                max_new_tokens=min(limit, max_new_tokens),
+                temperature=temperature if temperature > 0 else 1.0,
+                top_p=self.top_p if self.top_p else 1.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                greedy=temperature == 0)
+        except ConfigError as err:
+            raise RequestError(400, str(err)) from None
 
 
-def parse_request(body: Any, *, max_new_tokens: int) -> tuple[list[dict[str, str]], dict[str, Any]]:
-    """(messages, {settings, n, seed, stop}) from a chat-completions body; RequestError 400 if bad."""
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+
+    def plain(self) -> dict[str, str]:
+        """{role, content} with the text parts joined; a developer message is a system one."""
+        content = self.content if isinstance(self.content, str) else \
+            "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatRequest(_Request):
+    """A POST /v1/chat/completions body."""
+
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Request):
+    """A POST /v1/completions body (prompts as text; token-id prompts are refused)."""
+
+    prompt: str | list[str] = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_prompts(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        return prompt
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+def parse(model: type[_Request], body: Any) -> Any:
+    """`body` validated as `model`; RequestError 400 naming the first bad field if it is not."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, [], {"type": "text"}):
-            raise RequestError(400, f"{name!r} is not supported by mogrpo serve", name)
-    messages = _messages(body.get("messages"))
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise RequestError(400, f"max_tokens = {limit!r} must be an integer >= 1", "max_tokens")
-    n = body.get("n", 1) if body.get("n") is not None else 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-        raise RequestError(400, f"n = {n!r} must be an integer from 1 to {MAX_N}", "n")
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise RequestError(400, f"seed = {seed!r} must be an integer", "seed")
     try:
-        settings = SamplingSettings(
-            # The server's cap keeps one request from holding the worker for minutes.
-            max_new_tokens=min(limit or max_new_tokens, max_new_tokens),
-            temperature=temperature if temperature > 0 else 1.0,
-            top_p=top_p if top_p > 0 else 1.0,
-            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            greedy=temperature == 0,
-        )
-    except ConfigError as err:
-        raise RequestError(400, str(err)) from None
-    return messages, {"settings": settings, "n": n, "seed": seed, "stop": _stops(body.get("stop"))}
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = _param(first["loc"])
+        got = f" (got {first['input']!r:.60})" if first["type"] != "missing" else ""
+        raise RequestError(400, f"{param or 'body'}: {first['msg']}{got}", param) from None
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise RequestError(400, "messages must be a non-empty list", "messages")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
-            raise RequestError(
-                400, f"messages[{i}] needs a role of system, user or assistant", f"messages[{i}]")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise RequestError(400, f"messages[{i}]: only text content is supported", f"messages[{i}]")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise RequestError(400, f"messages[{i}].content must be a string", f"messages[{i}]")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append({"role": role, "content": content})
-    return out
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """`messages[0].role` from pydantic's ('messages', 0, 'role'), without the union branch
+    names pydantic adds (`str`, `list[...]`)."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        elif item in ("str", "bool", "int", "float") or "[" in str(item) or item == "_TextPart":
+            continue
+        else:
+            parts.append(str(item))
+    return ".".join(parts) or None
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise RequestError(400, f"{name} = {value!r} must be a number in [{low:g}, {high:g}]", name)
-    return float(value)
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
 
-def _stops(value: Any) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if stops is None:
-        return []
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
-        raise RequestError(400, "stop must be a string or a list of at most 4 strings", "stop")
-    return stops
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(model: str, choices: list[tuple[str, str, int]],
-                        prompt_tokens: int) -> dict[str, Any]:
-    """The chat.completion object for `choices` of (text, finish_reason, completion tokens)."""
-    completion_tokens = sum(tokens for _, _, tokens in choices)
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": i, "message": {"role": "assistant", "content": text},
-             "finish_reason": finish, "logprobs": None}
-            for i, (text, finish, _) in enumerate(choices)
-        ],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
+def response(kind: str, model: str, choices: list[tuple[str, str, int]],
+             prompt_tokens: int) -> dict[str, Any]:
+    """The chat.completion or text_completion object for `choices` of (text, finish_reason,
+    completion tokens)."""
+    if kind == "chat":
+        listed = [{"index": i, "message": {"role": "assistant", "content": text},
+                   "finish_reason": finish, "logprobs": None}
+                  for i, (text, finish, _) in enumerate(choices)]
+    else:
+        listed = [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                  for i, (text, finish, _) in enumerate(choices)]
+    return {"id": new_id(kind), "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": listed,
+            "usage": usage(prompt_tokens, sum(tokens for _, _, tokens in choices))}
 
 
-def make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
-    """The request handler class bound to `server`."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive, as OpenAI clients expect
-        timeout = 30  # an idle keep-alive connection frees its thread after this long
-
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.debug("%s %s", self.address_string(), format % args)
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path in ("/v1/models", "/models"):
-                model = {"id": server.model_name, "object": "model", "created": server.created,
-                         "owned_by": "mogrpo"}
-                self._send(200, {"object": "list", "data": [model]})
-            elif path in ("/health", "/v1/health"):
-                self._send(200, {"status": "ok"})
-            else:
-                self._send(404, RequestError(404, f"no route GET {path}").body())
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
-            # Until the body is read the connection cannot carry another request.
-            self.close_connection = True
-            try:
-                if path not in ("/v1/chat/completions", "/chat/completions"):
-                    raise RequestError(404, f"no route POST {path}; use /v1/chat/completions")
-                size = int(self.headers.get("Content-Length") or 0)
-                if not 0 < size <= MAX_BODY_BYTES:
-                    raise RequestError(413 if size else 400,
-                                       f"the body must hold 1 to {MAX_BODY_BYTES} bytes")
-                try:
-                    raw = self.rfile.read(size)
-                    self.close_connection = False
-                    body = json.loads(raw)
-                except ValueError:
-                    raise RequestError(400, "the body is not valid JSON") from None
-                self._send(200, server.complete(body))
-            except RequestError as err:
-                self._send(err.status, err.body())
-            except Exception as err:  # a bug answers 500 and the server keeps serving
-                logger.exception("serving %s failed", path)
-                self._send(500, RequestError(500, f"{type(err).__name__}: {err}").body())
-
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True  # the client went away; nothing to tell it
-
-    return Handler
+def chunk(kind: str, ident: str, created: int, model: str, index: int, *,
+          text: str | None = None, role: bool = False, finish: str | None = None
+          ) -> dict[str, Any]:
+    """One stream chunk: chat.completion.chunk (a delta with the role, or content) or
+    text_completion (text), for choice `index`, with its finish_reason when it is the last."""
+    if kind == "chat":
+        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": index, "delta": delta}
+        kind_name = "chat.completion.chunk"
+    else:
+        choice, kind_name = {"index": index, "text": text or ""}, "text_completion"
+    choice.update(finish_reason=finish, logprobs=None)
+    return {"id": ident, "object": kind_name, "created": created, "model": model,
+            "choices": [choice]}

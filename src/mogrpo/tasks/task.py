@@ -24,6 +24,7 @@ from mogrpo.errors import DataError
 from mogrpo.rewards.base import check_positional_only, check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
 from mogrpo.rewards.reward_model import RewardModelReward
+from mogrpo.tasks.agents import Agent
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class Task:
     weight_schedules: list[WeightSchedule] = field(default_factory=list)
     stream: ExampleStream | None = None
     """Streamed data: training draws from it, and `train` holds only its checked first rows."""
+    agent: Agent | None = None
+    """Its tools and environments (`tasks.NAME.tools`, `.environment`): episodes of several
+    turns; None: one completion per prompt."""
 
     @property
     def reward_labels(self) -> list[str]:
@@ -119,11 +123,17 @@ def load_tasks(config: RunConfig) -> list[Task]:
             continue
         fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
         columns = list(dict.fromkeys(k for ex in [*train, *held_out] for k in ex.columns))
+        agent = Agent.from_config(name, tc)
+        if agent is not None and agent.environments:
+            columns.append("environments")  # each rollout's environment, as TRL passes it
         for i, (label, fn, kwargs) in enumerate(fns):
             check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}")
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
-        tasks.append(Task(name, tc, train, held_out, fns, schedules, stream))
+        for label, fn in agent.rewards() if agent is not None else []:
+            fns.append((label, fn, {}))  # an environment's get_reward(): weight 1, as in TRL
+            schedules.append(from_config(1.0, where=f"tasks.{name}.environment"))
+        tasks.append(Task(name, tc, train, held_out, fns, schedules, stream, agent))
         log.debug("task %s: %s train / %d eval prompts, rewards %s", name,
                   "streamed" if stream else len(train), len(held_out),
                   ", ".join(label for label, _, _ in fns))

@@ -69,6 +69,22 @@ class PerObjective:
         return key[len(TASK_PREFIX):key.rindex("/")]
 
 
+@dataclass(frozen=True)
+class PerTool:
+    """A statistic of one tool of an agent task: `task/<task>/tool/<tool>/<stat>`."""
+
+    stat: str
+    when: str = "tasks.NAME.tools or tasks.NAME.environment"
+
+    def of(self, task: str, tool: str) -> str:
+        return f"{TASK_PREFIX}{task}/tool/{tool}/{self.stat}"
+
+    def matches(self, key: str) -> bool:
+        parts = key.split("/")
+        return len(parts) == 5 and parts[0] + "/" == TASK_PREFIX and parts[2] == "tool" \
+            and parts[4] == self.stat
+
+
 def task_of(key: str) -> str:
     """The task a per-task key belongs to (`task/fairness/kl` → `fairness`)."""
     return key.split("/")[1] if key.startswith(TASK_PREFIX) else "all tasks"
@@ -151,6 +167,21 @@ OBJECTIVE_MISSING_FRAC = PerObjective("missing_frac")
 OBJECTIVE_ZERO_VAR_FRAC = PerObjective("zero_var_frac")
 OBJECTIVE_WEIGHT = PerObjective("weight")
 
+_AGENT = "tasks.NAME.tools or tasks.NAME.environment"
+TASK_TURNS = PerTask("agent/turns", when=_AGENT)
+"""Model turns per episode of an agent task (1 = answered without a tool)."""
+TASK_TOKENS_GENERATED = PerTask("agent/tokens_generated", when=_AGENT)
+"""Tokens the policy sampled per episode (those that train)."""
+TASK_TOKENS_INSERTED = PerTask("agent/tokens_inserted", when=_AGENT)
+"""Tokens inserted per episode between turns: tool results and template text (masked)."""
+TOOL_CALLS = PerTool("calls")
+"""Calls of the tool per episode."""
+TOOL_ERRORS = PerTool("error_frac")
+"""Share of the tool's calls that failed (raised, bad arguments, unknown tool, unreadable)."""
+TOOL_TIMEOUTS = PerTool("timeout_frac")
+"""Share of the tool's calls that ran past `tasks.NAME.tool_timeout_s`."""
+
 STEP_METRICS = tuple(v for v in dict(globals()).values() if isinstance(v, Metric))
 PER_TASK = tuple(v for v in dict(globals()).values() if isinstance(v, PerTask))
 PER_OBJECTIVE = tuple(v for v in dict(globals()).values() if isinstance(v, PerObjective))
+PER_TOOL = tuple(v for v in dict(globals()).values() if isinstance(v, PerTool))

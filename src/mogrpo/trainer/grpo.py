@@ -29,6 +29,7 @@ from mogrpo.rollout.batching import (
     select_groups,
 )
 from mogrpo.rollout.generate import Rollout, generate_rollout
+from mogrpo.tasks.agent_rollout import agent_metrics, agent_rollout, environments_of
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -38,6 +39,7 @@ from mogrpo.trainer.batches import RewardBatch, ScoredBatch
 from mogrpo.trainer.completions import CompletionLog, completion_rows
 from mogrpo.trainer.distributed import Dist
 from mogrpo.trainer.metrics import format_step, reward_metrics
+from mogrpo.trainer.oom import GENERATION, LOGPROBS, UPDATE, OomGuard
 from mogrpo.trainer.optim import build_scheduler, train_optimizer
 from mogrpo.trainer.parallel import ParallelPolicy
 from mogrpo.trainer.progress import Progress
@@ -93,6 +95,9 @@ class GRPOTrainer(UpdatePhases):
             learning_rate=self.config.train.learning_rate,
         )
         self.rollbacks: list[dict[str, Any]] = []
+        self.oom = OomGuard(self.config, self.dist.world_size, ctx.device,
+                            release=lambda: self.optimizer.zero_grad(set_to_none=True))
+        """The batch sizes in use, halved after an out-of-memory error (`memory.on_oom`)."""
 
     # ------------------------------------------------------------------ phases
 
@@ -101,6 +106,36 @@ class GRPOTrainer(UpdatePhases):
         return self.dist.shard(self.mixer.next_batch(n or self.config.prompts_per_step))
 
     def generate(self, picks: list[tuple[int, Example]]) -> Rollout:
+        """The completions of `picks`; an out-of-memory error halves the generation batch and
+        samples them again from the same RNG state (vLLM manages its memory itself)."""
+        if self.ctx.rollout_engine is not None:
+            return self._generate(picks)
+        rows = len(picks) * self.config.rollout.num_generations
+        return self.oom.run(self.step + 1, [(GENERATION, lambda: self._generate(picks))], rows)
+
+    def _generate(self, picks: list[tuple[int, Example]]) -> Rollout:
+        """K completions of each prompt; an agent task's are episodes of several turns,
+        sampled task by task (picks come grouped by task) and joined."""
+        if not any(task.agent is not None for task in self.ctx.tasks):
+            return self._single_turn(picks)
+        parts, start = [], 0
+        while start < len(picks):
+            t = picks[start][0]
+            end = next((i for i in range(start, len(picks)) if picks[i][0] != t), len(picks))
+            task = self.ctx.tasks[t]
+            if task.agent is None:
+                parts.append(self._single_turn(picks[start:end]))
+            else:
+                with self.parallel.gathered(), self.ctx.precision.autocast():
+                    parts.append(agent_rollout(
+                        self.ctx, task, [ex for _, ex in picks[start:end]],
+                        num_generations=self.config.rollout.num_generations,
+                        record_logprobs=self._sampler_correction,
+                        generation_batch_size=self.oom.generation_batch_size))
+            start = end
+        return concat_rollouts(parts, self.ctx.tokenizer.pad_token_id)
+
+    def _single_turn(self, picks: list[tuple[int, Example]]) -> Rollout:
         texts, add_special = render_prompts(self.ctx, picks)
         # FSDP2: whole weights while decoding; the rollout in the compute dtype
         with self.parallel.gathered(), self.ctx.precision.autocast():
@@ -110,7 +145,7 @@ class GRPOTrainer(UpdatePhases):
                 max_prompt_length=self.config.rollout.prompt_length,
                 add_special_tokens=add_special,
                 engine=self.ctx.engine,
-                generation_batch_size=self.config.rollout.generation_batch_size,
+                generation_batch_size=self.oom.generation_batch_size,
                 record_logprobs=self._sampler_correction,
                 plain_max_bytes=self.ctx.plain_max_bytes,
             )
@@ -138,6 +173,8 @@ class GRPOTrainer(UpdatePhases):
                 [rollout.texts[r] for r in rows], rollout.completion_ids[rows],
                 [lengths[r] for r in rows], [truncated[r] for r in rows],
                 trainer_state=self._trainer_state(t), log=log,
+                extra_columns=({"environments": environments_of(rollout, rows)}
+                               if task.agent is not None and task.agent.environments else None),
             )  # [n*K, J]
             logged = _per_row(log.extra, len(rows), task.name)
             for i, g in enumerate(groups):
@@ -292,8 +329,9 @@ class GRPOTrainer(UpdatePhases):
         batch, reward_stats = self.advantages(rewards)
         self.log_completions(rewards, batch.advantages)
         t2 = time.perf_counter()
-        self.reference_logprobs(batch)
-        metrics.update(self.update(batch))
+        # one unit: redone after an out-of-memory error, the log-probs at the new size too
+        metrics.update(self.oom.run(self.step + 1, [
+            (LOGPROBS, lambda: self.reference_logprobs(batch)), (UPDATE, lambda: self.update(batch))]))
         if self.ctx.rollout_engine is not None:  # the next rollout samples the new weights
             sync_start = time.perf_counter()
             with self.parallel.gathered():  # FSDP2: each engine takes the whole model
@@ -321,6 +359,7 @@ class GRPOTrainer(UpdatePhases):
             names.PEAK_GIB: peak_bytes(self.ctx.device) / 2**30,
         })
         metrics.update(self._task_lengths(batch))
+        metrics.update(agent_metrics(self.ctx.tasks, ro, batch.task_ids.cpu()))
         metrics = self.dist.reduce_metrics(metrics)  # the same numbers in every process
         self.adapt_kl(metrics)
         return metrics
@@ -345,6 +384,8 @@ class GRPOTrainer(UpdatePhases):
         with Progress(cfg.train.max_steps, "GRPO", cfg.logging.progress_bar, start=self.step) as bar:
             while self.step < cfg.train.max_steps:
                 metrics = self.train_step()
+                for event in self.oom.take_events():
+                    writer.write(event)
                 evaluated = evaluate is not None and every and self.step % every == 0 \
                     and self.step < cfg.train.max_steps
                 if evaluated:
@@ -436,6 +477,7 @@ class GRPOTrainer(UpdatePhases):
             "curriculum": self.curriculum.state_dict(),
             "rollbacks": list(self.rollbacks),
             "loss_scale": self.scaler.state_dict(),  # {} unless fp16-mixed
+            "oom": self.oom.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -453,6 +495,8 @@ class GRPOTrainer(UpdatePhases):
         self.rollbacks = list(state.get("rollbacks", []))
         if state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
+        if "oom" in state:
+            self.oom.load_state_dict(state["oom"])
         self.health_ctx.learning_rate = self.config.train.learning_rate * \
             self.config.health.eval_regression.lr_factor ** len(self.rollbacks)
         for key, judge in judges(self.ctx.tasks).items():

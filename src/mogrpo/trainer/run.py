@@ -24,6 +24,7 @@ from mogrpo.eval.report import write_report
 from mogrpo.health import HealthStop
 from mogrpo.kernels import apply_host_memory
 from mogrpo.memory import estimate, reward_model_configs
+from mogrpo.modeling.chat import resolve_chat_template
 from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
@@ -141,6 +142,8 @@ def build_context(config: RunConfig, tasks: list[Task], base: Path | None = None
                                                        Dist.current().world_size) == "fsdp":
         raise ConfigError(FSDP_FP16)
     policy, tokenizer = _load_policy(config, base, precision, device)
+    if mc.chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(mc.chat_template)
     if not quantized_field(mc):
         policy.to(device)  # on a GPU already there (`load_policy`)
     if precision.name == "bf16":
@@ -183,7 +186,9 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
     config, main_dir = join_processes(config, dist)
     seed_everything(config.seed)  # the same in every process: same model, same prompts
     tasks = load_tasks(config)  # data and reward errors surface before any model loads
-    run_dir = prepare_run_dir(config, resuming=resume is not None)
+    # a process the checkpointed run did not have (1 -> 2 processes) starts its directory afresh
+    resuming = resume is not None and (dist.is_main or Path(config.output.dir).is_dir())
+    run_dir = prepare_run_dir(config, resuming=resuming)
     loaded = open_checkpoint(run_dir, config, resume, allow_config_change, dist, main_dir,
                              strategy_for(config.distributed, dist.world_size)
                              ) if resume else None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from mogrpo.checkpoint import sharded, store
@@ -70,7 +71,7 @@ class RunState:
                 "scheduler": self.trainer.scheduler.state_dict(),
                 "quick_eval": self.quick_eval.state_dict(), "sft_done": self.sft_done,
                 "config_hash": config_hash(self.config), "summary": self.summary,
-                "trackers": self.trackers.state_dict()}
+                "trackers": self.trackers.state_dict(), "world_size": self.dist.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the JSON part; the trackers read theirs when they start (`Trackers(state=)`)."""
@@ -80,6 +81,12 @@ class RunState:
         # this process's own run directory stays (a sharded checkpoint holds process 0's state)
         self.summary.update({k: v for k, v in state.get("summary", {}).items() if k != "run_dir"})
         self.sft_done = bool(state["sft_done"])
+
+    @property
+    def sharded(self) -> bool:
+        """Checkpoints in the sharded format (DCP): under FSDP2, and with one process when
+        `distributed.strategy` is fsdp, so that they resume at any number of processes."""
+        return self.trainer.parallel.is_fsdp or self.config.distributed.strategy == "fsdp"
 
     def save(self, step: int) -> Path:
         """Checkpoint `step`: make the trackers durable, write every part, prune old ones.
@@ -91,7 +98,7 @@ class RunState:
         self.trackers.barrier()
         state = self.state_dict()
         main = self.dist.is_main
-        if self.trainer.parallel.is_fsdp:
+        if self.sharded:
             path = sharded.save_sharded(self.main_dir, step, model=self.ctx.policy,
                                         optimizer=self.trainer.optimizer, state=state,
                                         config_yaml=to_yaml(self.config), strategy="fsdp")
@@ -108,7 +115,7 @@ class RunState:
         pareto = self.quick_eval.pareto.to_json()
         protected = {p["step"] for p in pareto["front"]}
         protected |= {p["step"] for p in pareto["best"].values()}
-        if main or not self.trainer.parallel.is_fsdp:  # one sharded checkpoint: process 0's
+        if main or not self.sharded:  # one sharded checkpoint: process 0's
             store.prune(self.run_dir, self.config.output.keep_last, protected)
         log.info("checkpoint saved: %s", path)
         return path
@@ -119,7 +126,9 @@ class RunState:
         if isinstance(loaded, sharded.ShardedLoaded):
             loaded.load_into(self.ctx.policy, self.trainer.optimizer)  # re-shards if need be
             self.load_state_dict(loaded.state)
-            loaded.restore_rng()
+            if not loaded.restore_rng():  # the checkpoint had fewer processes: none of ours
+                torch.manual_seed(self.config.seed * 1_000_003 + self.dist.rank
+                                  + 7_919 * loaded.state["step"])
             return
         trained = yaml.safe_load(loaded.config_yaml) or {}
         saved = trained.get("train", {}).get("optimizer", "adamw")  # older checkpoints: adamw
@@ -138,7 +147,7 @@ class RunState:
         """Load the weights and optimizer of step `step`'s checkpoint (a health rollback; the
         trainer resets the rest itself); None if that checkpoint is not there intact."""
         name = f"{store.CHECKPOINTS}/step-{step:07d}"
-        if self.trainer.parallel.is_fsdp:
+        if self.sharded:
             path = self.main_dir / name
             if not all(self.dist.gather(store.verify(path).ok)):
                 return None
@@ -161,14 +170,23 @@ def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_
                     dist: Dist, main_dir: Path, strategy: str = "none"
                     ) -> Loaded | sharded.ShardedLoaded:
     """Pick and verify the checkpoint, check config drift, and make the logs agree with it.
-    Under FSDP2 (`strategy`) the checkpoint is a sharded one in process 0's run directory;
-    its tensors are read once the model is wrapped (`RunState.restore`)."""
-    if strategy == "fsdp":
-        loaded = sharded.open_sharded(sharded.pick_resume(main_dir, resume))
+    A sharded checkpoint (`distributed.strategy: fsdp`) is in process 0's run directory and
+    resumes at any number of processes (its tensors are read, re-sharded, once the model is
+    wrapped: `RunState.restore`); a DDP or one-process checkpoint at the number that saved it."""
+    path = sharded.pick_resume(main_dir, resume) if strategy == "fsdp" or \
+        dist.world_size == 1 else None
+    if path is not None and (strategy == "fsdp" or sharded.is_sharded(path)):
+        loaded = sharded.open_sharded(path)
     elif dist.world_size == 1:
-        loaded = store.load_checkpoint(store.find_resume(run_dir, resume))
+        loaded = store.load_checkpoint(path)
     else:
         loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
+    saved_world = loaded.state.get("world_size", getattr(loaded, "world_size", 1))
+    if saved_world != dist.world_size:
+        log.warning("checkpoint %s was saved by %d process(es), this run has %d: weights, "
+                    "optimizer, schedule, task mixer and controllers go on exactly; the "
+                    "completions differ from a run that kept %d (each process samples from its "
+                    "own RNG stream)", loaded.path, saved_world, dist.world_size, saved_world)
     path = loaded.path
     changes = check_drift(config_diff(loaded.config_yaml, config), allow_config_change, path)
     step = loaded.state["step"]
@@ -201,6 +219,20 @@ def repair_logs(run_dir: Path, state: dict[str, Any]) -> None:
         quick_eval["records"] = [json.loads(line) for line in lines]
 
 
+def _other_world(main_dir: Path, world_size: int) -> str:
+    """Why no process r > 0 has checkpoints when process 0 saved with another number."""
+    try:
+        state = store.load_checkpoint(store.find_resume(main_dir, "auto")).state
+    except CheckpointError:
+        return ""
+    saved = state.get("world_size", 1)
+    if saved == world_size:
+        return ""
+    return (f": the newest was saved by {saved} process(es), this run has {world_size}; only "
+            "sharded checkpoints (distributed.strategy: fsdp) resume at another number of "
+            f"processes, so resume this one with {saved}")
+
+
 def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Path) -> Loaded:
     """The newest step every process saved intact (or the step of the path given); processes
     r > 0 read the weights and optimizer from process 0's checkpoint of that step."""
@@ -210,8 +242,9 @@ def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Pa
         if not common:
             raise CheckpointError(
                 f"--resume auto: no step has an intact checkpoint in every one of the "
-                f"{dist.world_size} processes ({main_dir / store.CHECKPOINTS} and .rank-N); "
-                "start a new run or give a checkpoint path")
+                f"{dist.world_size} processes ({main_dir / store.CHECKPOINTS} and .rank-N)"
+                + _other_world(main_dir, dist.world_size)
+                + "; start a new run or give a checkpoint path")
         step = max(common)
     else:  # a path to one of process 0's checkpoints: that step in every process
         step = store.verify(store.find_resume(main_dir, resume)).step

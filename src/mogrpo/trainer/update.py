@@ -3,7 +3,7 @@ optimizer updates on the batch, each accumulating its micro-batches' gradients.
 
 `UpdatePhases` is a part of `GRPOTrainer` (`mogrpo.trainer.grpo`), kept in a file of its own; it
 uses the trainer's `ctx`, `config`, `parallel`, `reference`, `dist`, `optimizer`, `scheduler`,
-`scaler`, `step`, `skipped_updates`, `_sampler_correction` and `_task_kl`.
+`scaler`, `step`, `skipped_updates`, `oom`, `_sampler_correction` and `_task_kl`.
 """
 
 from __future__ import annotations
@@ -76,8 +76,10 @@ class UpdatePhases:
         policy.train()
         variant = LossVariant.from_config(algo)
         aggregation = resolve_aggregation(algo.loss_type, algo.loss_aggregation)
-        loss_mask = (mask_truncated(ro.completion_mask, ro.truncated)
-                     if algo.mask_truncated_completions else ro.completion_mask)  # [B, C]
+        # only the policy's own tokens: an episode's tool results are context, not actions
+        train_mask = ro.train_mask  # [B, C]
+        loss_mask = (mask_truncated(train_mask, ro.truncated)
+                     if algo.mask_truncated_completions else train_mask)  # [B, C]
         # BNPO's normaliser is per micro-batch, so its rows stay in order (as TRL splits them)
         micro_batches = self._micro_batches(ro, by_length=aggregation != "micro_token_mean")
         # the step's global normaliser: a sum over this process's rows, then over processes
@@ -101,7 +103,8 @@ class UpdatePhases:
                 logp, entropy = self._forward(policy, args, with_entropy=it == 0)
                 old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
                 ref = batch.ref_logp[rows, :width] if batch.ref_logp is not None else None
-                weights = self._importance_weights(old, ro, rows, args[3],
+                sampled = train_mask[rows, :width]  # [b, w]
+                weights = self._importance_weights(old, ro, rows, sampled,
                                                    totals if it == 0 else None)
                 out = grpo_loss(
                     logp, old, batch.advantages[rows], loss_mask[rows, :width],
@@ -115,7 +118,7 @@ class UpdatePhases:
                 totals["loss"] += out.loss.item() / algo.num_iterations
                 if it == 0:
                     # KL is measured on every completion, also those left out of the loss
-                    seq_kl[rows] = (sequence_kl(logp.detach(), ref, args[3], algo.kl_estimator)
+                    seq_kl[rows] = (sequence_kl(logp.detach(), ref, sampled, algo.kl_estimator)
                                     if ref is not None and algo.mask_truncated_completions
                                     else out.kl).float().cpu()
                     totals["clip_tokens"] += float(out.clip_frac_tokens)
@@ -180,6 +183,7 @@ class UpdatePhases:
         else:  # a non-finite gradient would poison AdamW's moments; skip and count it
             self.skipped_updates += 1
             log.warning("step %d: non-finite gradient norm, update skipped", self.step + 1)
+        self.oom.stepped = True  # an out-of-memory error from here on cannot redo the step
         self.scaler.update()  # halved after an overflow, doubled after enough clean steps
         self.scheduler.step()
         return float(grad_norm)
@@ -200,7 +204,7 @@ class UpdatePhases:
         return weights
 
     def _micro_batches(self, ro: Rollout, by_length: bool = True) -> list[slice | torch.Tensor]:
-        size = self.config.train.micro_batch_size
+        size = self.oom.micro_batch_size  # train.micro_batch_size, halved by out-of-memory errors
         if not by_length:
             return [slice(i, min(i + size, ro.batch_size)) for i in range(0, ro.batch_size, size)]
         return length_buckets(ro.prompt_mask, ro.completion_mask, size)

@@ -1,0 +1,107 @@
+"""Tools: schemas from signatures and docstrings, calls parsed in the Hermes / Qwen2.5 and
+Llama 3.1 forms, and calls run with errors and timeouts given to the model as text."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mogrpo.errors import ConfigError
+from mogrpo.rollout.tools import ToolCall, parse_tool_calls, run_tool_calls, tool_schema
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: The expression, e.g. "12 * 7".
+    """
+    return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - a test's own input
+
+
+async def lookup(key: str, default: int = 0) -> dict:
+    """Look a key up.
+
+    Args:
+        key: The key.
+        default: Returned when the key is missing.
+    """
+    await asyncio.sleep(0)
+    return {"key": key, "value": default}
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+def test_schema_comes_from_the_signature_and_docstring():
+    schema = tool_schema(lookup)
+    fn = schema["function"]
+    assert fn["name"] == "lookup" and fn["description"] == "Look a key up."
+    assert fn["parameters"]["properties"]["key"] == {"type": "string", "description": "The key."}
+    assert fn["parameters"]["required"] == ["key"]
+
+
+def test_a_tool_without_docstring_is_a_config_error_naming_the_fix():
+    def bare(x: int) -> int:
+        return x
+
+    with pytest.raises(ConfigError, match=r"tasks.calc.tools.0: tool 'bare'.*docstring"):
+        tool_schema(bare, "tasks.calc.tools.0")
+
+
+def test_hermes_calls_are_parsed_one_per_block():
+    text = ('I will compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+            '"2+3"}}\n</tool_call>\n<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"a\\"}"}'
+            '</tool_call><|im_end|>')
+    calls = parse_tool_calls(text)
+    assert calls == [ToolCall("calculator", {"expression": "2+3"}), ToolCall("lookup", {"key": "a"})]
+
+
+def test_llama3_json_calls_with_and_without_python_tag():
+    assert parse_tool_calls('{"name": "calculator", "parameters": {"expression": "1+1"}}',
+                            "llama3") == [ToolCall("calculator", {"expression": "1+1"})]
+    two = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'
+    assert parse_tool_calls(two) == [ToolCall("a", {}), ToolCall("b", {"x": 1})]
+
+
+def test_an_answer_has_no_calls_and_broken_json_is_an_error_call():
+    assert parse_tool_calls("The answer is 5.") == []
+    [call] = parse_tool_calls("<tool_call>{\"name\": calculator}</tool_call>")
+    assert call.error is not None and "not JSON" in call.error
+    with pytest.raises(ConfigError, match="format 'xml'"):
+        parse_tool_calls("x", "xml")  # type: ignore[arg-type]
+
+
+def test_results_errors_and_timeouts_become_messages_for_the_model():
+    tools = {"calculator": calculator, "lookup": lookup, "slow": slow}
+    calls = [ToolCall("calculator", {"expression": "6*7"}), ToolCall("lookup", {"key": "k"}),
+             ToolCall("calculator", {"expression": "1/0"}), ToolCall("nope", {}),
+             ToolCall("calculator", {"expr": "1"}), ToolCall("slow", {"seconds": 5.0}),
+             ToolCall("", {}, "the tool call is not JSON")]
+    start = time.monotonic()
+    results = run_tool_calls([(tools, c) for c in calls], timeout_s=0.5)
+    assert time.monotonic() - start < 2.0  # the slow call did not hold the batch
+    assert [r.content for r in results[:2]] == ["42", '{"key": "k", "value": 0}']
+    assert results[2].content == "error: calculator raised ZeroDivisionError: division by zero"
+    assert results[3].content == "error: there is no tool 'nope' (tools: calculator, lookup, slow)"
+    assert results[4].error and "unexpected keyword argument 'expr'" in results[4].content
+    assert results[5].timed_out and results[5].content == "error: slow timed out after 0.5 s"
+    assert results[6].content == "error: the tool call is not JSON"
+    assert [r.error for r in results] == [False, False, True, True, True, True, True]
+
+
+def test_calls_of_a_batch_run_concurrently():
+    tools = {"slow": slow}
+    start = time.monotonic()
+    results = run_tool_calls([(tools, ToolCall("slow", {"seconds": 0.3}))] * 8, timeout_s=5)
+    assert [r.content for r in results] == ["done"] * 8
+    assert time.monotonic() - start < 1.5
