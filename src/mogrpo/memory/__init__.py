@@ -14,8 +14,8 @@ from mogrpo.memory.estimate import (
 )
 from mogrpo.memory.ladder import Step, ladder, scale_out
 from mogrpo.memory.measure import peak_bytes, reset_peak
-from mogrpo.memory.plan import Plan, plan_run
 from mogrpo.memory.model_config import load_model_config
+from mogrpo.memory.plan import Plan, plan_run
 
 __all__ = [
     "GIB", "MemoryEstimate", "Plan", "Step", "Term", "add_parser", "cmd_memory",
