@@ -345,3 +345,24 @@ def test_measured_peak_on_cpu():
     block = bytearray(64 * 2**20)  # touch 64 MiB
     assert peak_bytes("cpu") >= before + 60 * 2**20
     del block
+
+
+def test_generation_batch_size_caps_what_generation_holds():
+    full = estimate(LLAMA_8B, users_run())
+    capped = estimate(LLAMA_8B, users_run(rollout__generation_batch_size=4))
+    # 4 of the 16 sequences decoded at once: 131,072 B a token × 640 tokens × 4; the prefill of
+    # 4 prompts of 512: 4·512 · 2 B · (2·4096 + 3·14336) + the last tokens' logits 4 · 128256 · 12
+    assert capped["kv_cache"] == 131_072 * 640 * 4 == full["kv_cache"] // 4
+    assert capped["prefill"] == 4 * 512 * 2 * (2 * 4096 + 3 * 14336) + 4 * 128_256 * 12
+    assert capped["activations"] == full["activations"]  # training is unchanged
+
+
+def test_ladder_decodes_in_smaller_batches_before_costing_quality():
+    # the generation peak: all 64 completions (8 prompts × K 8) of 512 + 512 tokens decoded at
+    # once, KV cache 8 GiB + prefill 3.2 GiB over 16.4 GiB resident; training is 2.7 GiB
+    run = users_run(rollout__num_generations=8, rollout__max_completion_length=512,
+                    rollout__max_seq_length=1024, train__micro_batch_size=4,
+                    train__gradient_accumulation_steps=16, model__gradient_checkpointing=True)
+    steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), run, 24 * GIB)
+    assert [s.arguments for s in steps] == [["--set", "rollout.generation_batch_size=32"]]
+    assert "none in quality" in steps[0].cost and steps[0].total <= 24 * GIB

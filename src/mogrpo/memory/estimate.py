@@ -502,7 +502,8 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     this process's share of it."""
     prompt, completion = derive_lengths(run.rollout)
     seq, b = prompt + completion, layout.micro_batch
-    n_gen = layout.rows  # this process's prompts × K, generated at once
+    # this process's prompts × K, generated at once unless rollout.generation_batch_size caps it
+    n_gen = min(layout.rows, run.rollout.generation_batch_size or layout.rows)
     kv_token = 2 * shape.layers * shape.kv_dim * p
     terms: list[Term] = []
     if run.rollout.engine != "vllm":  # vLLM's KV cache and prefill are in its share
