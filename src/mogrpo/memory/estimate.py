@@ -67,6 +67,7 @@ from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.memory.head import chunked, head_bytes, layer_tokens, shared_prompts
 from mogrpo.memory.optimizer import Trained, state_bytes, step_bytes
 from mogrpo.memory.optimizer import describe as describe_optimizer
+from mogrpo.memory.weights import weight_bytes, weight_label
 
 if TYPE_CHECKING:  # the module tree is built with torch: imported when an estimate is made
     from mogrpo.modeling.architecture import Architecture, LinearLayer
@@ -74,9 +75,6 @@ if TYPE_CHECKING:  # the module tree is built with torch: imported when an estim
 GIB = 2**30
 CUDA_OVERHEAD = GIB
 """CUDA context (torch, cuBLAS, cuDNN kernels: ~0.3–0.6 GiB) plus allocator slack, rounded up."""
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
-"""bitsandbytes NF4 with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits per weight,
-an 8-bit absmax per 64-weight block and an fp32 constant per 256 blocks = 4.127 bits."""
 ADAPTER_BYTES = 4  # LoRA adapters are trained weights: float32 but under pure bf16
 PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
 
@@ -359,9 +357,9 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
     on_gpu = 0 if host else 1 / n
     per = f" / {n} (shard)" if n > 1 else ""
     per += "; in host memory (distributed.cpu_offload)" if host else ""
-    weights, how = _weight_bytes(shape, run, precision)
+    weights, how = weight_bytes(shape, run, precision)
     terms: list[Term] = []
-    _add(terms, "weights", _weight_label(run), weights * on_gpu, "always", how + per)
+    _add(terms, "weights", weight_label(run), weights * on_gpu, "always", how + per)
     if lc.enabled:
         _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * a_bytes * on_gpu, "always",
              f"{n_lora / 1e6:.1f} M × {a_bytes} B, {len(modules)} modules "
@@ -402,35 +400,6 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
              "adafactor": "fp32 grad² and its estimate, of the largest matrix"}.get(
                  kind, "none: bitsandbytes steps in place") + per)
     return terms
-
-
-def _weight_label(run: RunConfig) -> str:
-    quantized = quantized_field(run.model)
-    return "weights" if not quantized else (
-        "weights (4-bit NF4)" if quantized.endswith("4bit") else "weights (8-bit)")
-
-
-def _weight_bytes(shape: Architecture, run: RunConfig, precision: str) -> tuple[int, str]:
-    """Bytes of every weight (trained in the master dtype, a frozen LoRA base in the compute
-    one), and how. A quantised base: its linear weights in 4 or 8 bits, its 1-D weights in
-    the master dtype (fp32 but under pure bf16: `mogrpo.modeling.quantize`), the embedding and
-    head in the compute dtype."""
-    n_all, n_lin = shape.params, shape.linear_params()
-    master, compute = MASTER_BYTES[precision], 4 if precision == "fp32" else 2
-    quantized = quantized_field(run.model)
-    if not quantized:
-        w = compute if run.lora.enabled else master
-        return n_all * w, f"{n_all / 1e9:.2f} B × {w} B"
-    n_emb = shape.embedding_params()
-    n_vec = n_all - n_lin - n_emb
-    if quantized.endswith("4bit"):
-        lin, each = n_lin * NF4_BYTES, f"× {NF4_BYTES:.3f} B"
-    else:  # int8 codes and an fp32 scale per output row (LLM.int8()'s SCB)
-        rows = sum(lin.out_features for lin in shape.modules.linears)
-        lin, each = n_lin + 4 * rows, f"× 1 B + {rows:,} row scales × 4 B"
-    return (int(math.ceil(lin)) + n_vec * master + n_emb * compute,
-            f"{n_lin / 1e9:.2f} B linear weights {each} + {n_emb / 1e9:.2f} B embedding/head "
-            f"× {compute} B + {n_vec / 1e6:.2f} M norms, biases × {master} B")
 
 
 def _fsdp_terms(shape: Architecture, run: RunConfig, c: int) -> list[Term]:
