@@ -1,6 +1,7 @@
 """The memory planner against measurement at real shapes: 2 GRPO steps per configuration.
 
-    python benchmarks/memory_vs_plan.py --cases qwen2.5-0.5b/full            # one at a time
+    python benchmarks/memory_vs_plan.py --cases qwen2.5-0.5b/lora+ckpt       # one at a time
+    python benchmarks/memory_vs_plan.py --cases ... --measure profiler       # CPU: slow, exact
     python benchmarks/memory_vs_plan.py --report                             # the table only
 
 Random-weight models built from the published configs in `benchmarks/model_configs/`
@@ -9,14 +10,18 @@ model keeping its published vocabulary size), trained by `mogrpo.train` for 2 GR
 prompts × 2 completions, 64 prompt + 32 completion tokens, one micro-batch of 8, a KL
 reference (β 0.04). Each configuration runs in a process of its own and records:
 
-- tensor peak: the most bytes of tensors alive at once during a GRPO step — weights, reference,
-  optimizer states, gradients, activations, temporaries. On CPU torch.profiler's record of every
-  allocation and free (`profile_memory`), counted from before the model loads, taken over the
-  two steps' windows; on a GPU `torch.cuda.max_memory_allocated`.
 - RSS peak: the process's resident-set high-water mark over the steps (`memory/peak_gib` of
-  metrics.jsonl: VmHWM, reset at each step's start).
+  metrics.jsonl: VmHWM, reset at each step's start). Runs set `MALLOC_MMAP_THRESHOLD_=65536`,
+  so glibc maps every block of 64 KiB or more on its own and returns it when freed: RSS then
+  follows the live tensors rather than what the allocator keeps.
 - fixed overhead: RSS after Python, torch, transformers and mogrpo are imported, before any
   model loads — the part of RSS that is not tensors and that the planner does not count.
+- measured: on CPU by default RSS peak − fixed overhead (`--measure rss`: costs nothing, counts
+  a little more than tensors — the tokenizer, the data, Python objects, small blocks malloc
+  keeps); with `--measure profiler` the tensor peak from torch.profiler's record of every
+  allocation and free (`profile_memory`) over the two steps' windows — exact for tensors, but
+  recording each of a decode loop's allocations at this size takes hours on a few cores; on a
+  GPU `torch.cuda.max_memory_allocated`.
 
 The plan is `mogrpo.memory.estimate` for the same run config (device "cpu" here: no CUDA
 context term; "cuda" on a GPU), computed when the report is written, so a change to the planner
@@ -114,8 +119,9 @@ def _rss() -> int:
     return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
 
 
-def child(case: str, model_dir: str, work: str) -> dict:
-    """Two GRPO steps of `case`, measured, in this (fresh) process."""
+def child(case: str, model_dir: str, work: str, measure: str) -> dict:
+    """Two GRPO steps of `case`, measured (`measure`: "rss" or "profiler" on CPU), in this
+    (fresh) process."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -136,9 +142,12 @@ def child(case: str, model_dir: str, work: str) -> dict:
     GRPOTrainer.train_step = marked  # type: ignore[method-assign]
     cuda = torch.cuda.is_available()
     start = time.perf_counter()
+    peak = None
     if cuda:
         train(config)
         peak = torch.cuda.max_memory_allocated()
+    elif measure == "rss":
+        train(config)
     else:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             train(config)
@@ -149,8 +158,11 @@ def child(case: str, model_dir: str, work: str) -> dict:
     metrics = [json.loads(x) for x in (Path(work) / "run" / "metrics.jsonl").read_text()
                .splitlines()]
     steps = [m for m in metrics if "loss" in m]
-    return {"case": case, "device": "cuda" if cuda else "cpu", "tensor_peak": peak,
-            "rss_peak": max(m["memory/peak_gib"] for m in steps) * 2**30, "fixed": fixed,
+    rss_peak = max(m["memory/peak_gib"] for m in steps) * 2**30
+    return {"case": case, "device": "cuda" if cuda else "cpu",
+            "measure": "max_memory_allocated" if cuda else measure,
+            "measured": peak if peak is not None else rss_peak - fixed, "tensor_peak": peak,
+            "rss_peak": rss_peak, "fixed": fixed,
             "steps": len(steps), "seconds": time.perf_counter() - start,
             "prompt_truncated": [m.get("rollout/prompt_truncated") for m in steps],
             "completion_length": [m.get("rollout/completion_length") for m in steps]}
@@ -163,6 +175,10 @@ def _step_peak(events: list[dict]) -> int:
                and e.get("ph") == "X"]
     memory = [(e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]"]
     return max(total for ts, total in memory if any(a <= ts <= b for a, b in windows))
+
+
+MEASURES = {"rss": "RSS peak − fixed", "profiler": "tensor peak (profiler)",
+            "max_memory_allocated": "CUDA max allocated"}
 
 
 def plan(case: str) -> tuple[int, object]:
@@ -192,9 +208,9 @@ def report(results: dict[str, dict], command: str) -> str:
         f"time). {PROMPTS} prompts × {K} completions, {PROMPT} + {COMPLETION} tokens, 2 GRPO "
         "steps, β 0.04 (a reference), AdamW; LoRA r 16 on all linear layers.",
         "",
-        "| configuration | parameters | plan | measured tensor peak | plan / measured | "
-        "RSS peak | fixed overhead | RSS − overhead | bytes / parameter (measured) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| configuration | parameters | plan | measured | how measured | plan / measured | "
+        "RSS peak | fixed overhead | RSS − overhead | bytes / parameter (measured) | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from mogrpo.modeling.architecture import Architecture
 
@@ -204,10 +220,11 @@ def report(results: dict[str, dict], command: str) -> str:
             json.loads((CONFIGS / f"{CASES[case][0]}.json").read_text())).params
         lines.append(
             f"| {case} | {params / 1e9:.3f} B | {total / gib:.2f} GiB | "
-            f"{r['tensor_peak'] / gib:.2f} GiB | **{total / r['tensor_peak']:.2f}** | "
+            f"{r['measured'] / gib:.2f} GiB | {MEASURES[r['measure']]} | "
+            f"**{total / r['measured']:.2f}** | "
             f"{r['rss_peak'] / gib:.2f} GiB | {r['fixed'] / gib:.2f} GiB | "
             f"{(r['rss_peak'] - r['fixed']) / gib:.2f} GiB | "
-            f"{r['tensor_peak'] / params:.1f} |")
+            f"{r['measured'] / params:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,14 +233,18 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=[], choices=sorted(CASES), metavar="CASE")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mogrpo-mvp")
     parser.add_argument("--report", action="store_true", help="only write the table")
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=("rss", "profiler"), default="rss",
+                        help="on CPU: RSS peak − fixed overhead (cheap) or torch.profiler's "
+                        "tensor peak (slow)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--build", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
         build(args.build, args.work / args.build)
         return
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], str(args.work / "case"))))
+        print(json.dumps(child(args.child[0], args.child[1], str(args.work / "case"),
+                               args.child[2])))
         return
     store = RESULTS / "memory_vs_plan.json"
     results = json.loads(store.read_text()) if store.exists() else {}
@@ -235,12 +256,12 @@ def main() -> None:
                             CASES[case][0]], check=True, env=env)
         (args.work / "case").mkdir(parents=True, exist_ok=True)
         out = subprocess.run([sys.executable, __file__, "--work", str(args.work), "--child", case,
-                              str(model_dir)], env=env, check=True, capture_output=True,
-                             text=True).stdout
+                              str(model_dir), args.measure], env=env, check=True,
+                             capture_output=True, text=True).stdout
         results[case] = json.loads(out.strip().splitlines()[-1])
         store.write_text(json.dumps(results, indent=1) + "\n")
         print(case, results[case], flush=True)
-    command = "python benchmarks/memory_vs_plan.py --cases CASE"
+    command = "python benchmarks/memory_vs_plan.py --cases CASE [--measure profiler]"
     (RESULTS / "memory_vs_plan.md").write_text(report(results, command) + NOTES)
     print(f"wrote {RESULTS / 'memory_vs_plan.md'}")
 
