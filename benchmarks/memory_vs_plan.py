@@ -20,7 +20,7 @@ reference (β 0.04). Each configuration runs in a process of its own and records
   a little more than tensors — the tokenizer, the data, Python objects, small blocks malloc
   keeps); with `--measure profiler` the tensor peak from torch.profiler's record of every
   allocation and free (`profile_memory`) over the two steps' windows — exact for tensors, but
-  recording each of a decode loop's allocations at this size takes hours on a few cores; on a
+  recording each of a decode loop's allocations at this size is far slower; on a
   GPU `torch.cuda.max_memory_allocated`.
 
 The plan is `mogrpo.memory.estimate` for the same run config (device "cpu" here: no CUDA
@@ -257,7 +257,7 @@ def main() -> None:
         (args.work / "case").mkdir(parents=True, exist_ok=True)
         out = subprocess.run([sys.executable, __file__, "--work", str(args.work), "--child", case,
                               str(model_dir), args.measure], env=env, check=True,
-                             capture_output=True, text=True).stdout
+                             stdout=subprocess.PIPE, text=True).stdout  # stderr: the run's log
         results[case] = json.loads(out.strip().splitlines()[-1])
         store.write_text(json.dumps(results, indent=1) + "\n")
         print(case, results[case], flush=True)
@@ -267,6 +267,20 @@ def main() -> None:
 
 
 NOTES = """
+Reading it: "RSS peak − fixed" counts a little more than tensors (the tokenizer, the data,
+Python objects, the small blocks glibc keeps), so a plan / measured ratio a few per cent below
+1 is consistent with a right plan without proving it; the tensor peak itself is `--measure
+profiler`'s, far slower at these sizes (13 minutes were not enough for the first step of 0.5B
+LoRA under load 8; this run took 481 s for both steps). The plan is for device "cpu" (no CUDA context term) and fp32, as the
+CPU trains.
+
+Not measured: `qwen2.5-0.5b/lora+ckpt` stops in the first update's backward with
+`torch.utils.checkpoint.CheckpointError: A different number of tensors was saved during the
+original forward and recomputation` (64 vs 57: one fewer for each of a layer's 7 LoRA
+modules). The forward runs inside `cpu_linear.cpu_linears` (the model's linears made
+`CPULinear`, LoRA layers on the fused `_LoraLinear`), the checkpoint's recomputation in
+`loss.backward()` outside it, through peft's own forward — a trainer bug in LoRA with
+gradient checkpointing on CPU float32, not a planner one.
 """
 
 if __name__ == "__main__":
