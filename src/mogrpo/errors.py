@@ -14,7 +14,7 @@ class ExitCode(IntEnum):
     USAGE = 2
     """A usage, config or data error: the one `error:` line says what to fix."""
     FOUND_PROBLEM = 3
-    """A check ran and found a problem (doctor, data check, checkpoints, memory, a health stop)."""
+    """A check ran and found a problem (doctor, data check, checkpoints, memory, plan, a health stop)."""
     INTERRUPTED = 130
     """Ctrl-C."""
 

@@ -106,16 +106,20 @@ def test_llama_8b_lora_terms():
     # per token and layer: RMSNorm inputs 8·4096 = 32,768 + attention 2·(2·4096 + 2·1024) =
     # 20,480 + SwiGLU 3·2·14336 = 86,016 + LoRA (4 + 1)·(6·4096 + 14336) = 194,560 (fp32
     # dropout output + bool mask per module) + 7·4·16 = 448 (lora_A outputs) = 334,272 B;
-    # × 16·640 tokens × 32 layers + final norm input 10240·4·4096 = 167,772,160
-    assert est["activations"] == 334_272 * 10_240 * 32 + 167_772_160 == 109_702_021_120
+    # × 4 distinct prompts · 512 + 16 · 128 = 4096 tokens (the forward runs each prompt
+    # once) × 32 layers + final norm input 4096·4·4096 + each row's copy of its prompt's keys
+    # and values 16·512 · 2·1024 · 2 B · 32 layers
+    acts = 334_272 * 4096 * 32 + 4096 * 4 * 4096 + 16 * 512 * 2 * 1024 * 2 * 32
+    assert est["activations"] == acts == 44_954_550_272
     # with checkpointing: each layer's input 2·4096 B, plus one layer recomputed
     assert est.activations_by_checkpointing[True] == 10_240 * (32 * 8192 + 334_272) + 167_772_160
-    # logits: 16 × 129 positions × 128256 × 2 B, and 16 × 128 × 128256 fp32 log-softmax rows
-    assert est["logits"] == 16 * 128_256 * (2 * 129 + 4 * 128) == 1_580_113_920
-    always = 16_060_522_496 + 2 * 167_772_160 + 335_544_320 + GIB
-    assert est.total == always + 109_702_021_120 + 1_580_113_920  # training is the peak phase
+    # the chunked head: 64 MiB // (128256 · 4 B) = 130 tokens a chunk; logits, softmax and
+    # their product in the forward (entropy); 16 B per token of logsumexp, target, log-prob
+    assert est["logits"] == 3 * 130 * 128_256 * 4 + 16 * 2048 == 200_112_128
+    always = 16_060_522_496 + 167_772_160 + 335_544_320 + GIB
+    assert est.total == always + acts + 200_112_128  # training is the peak phase
     table = est.table()
-    assert "KV cache (generation)" in table and "no checkpointing (with: 5.84)" in table
+    assert "KV cache (generation)" in table and "(with: 5.84)" in table
     assert f"{est.total / GIB:7.2f}" in table
 
 
@@ -163,10 +167,17 @@ def test_qwen_full_fine_tuning_terms():
     # per token and layer: 8·1536 + 2·(2·1536 + 2·256) + 3·2·8960 + inputs of the trainable
     # weights 2·(4·1536 + 8960) = 12,288 + 7,168 + 53,760 + 30,208 = 103,424 B
     # head: final norm 4096·4·1536 + normed input and head input 2·1536·(4096 + 8·257)
-    assert est["activations"] == 4096 * 28 * 103_424 + 44_064_768
-    assert est["logits"] == 8 * 151_936 * (2 * 257 + 4 * 256)
+    # over 2 distinct prompts · 256 + 8 · 256 = 2560 tokens (K 4: each prompt once), and
+    # each row's copy of its prompt's keys and values 8·256 · 2·256 · 2 B · 28 layers
+    head = 2560 * 4 * 1536 + 2 * 1536 * (2560 + 8 * 257)
+    assert est["activations"] == 2560 * 28 * 103_424 + head + 8 * 256 * 2 * 256 * 2 * 28
+    # the chunked head: 110 tokens a chunk; backward: one chunk and the head's fp32 weight
+    # gradient 151936·1536·4 B (a trained head), above the forward's 3 chunks
+    # (pure bf16: a bf16 head, so a 16-bit copy of the chunk's gradient too)
+    assert est["logits"] == 110 * 151_936 * (4 + 2) + 151_936 * 1536 * 4 + 16 * 2048
     assert est["kv_cache"] == 2 * 28 * 256 * 2 * 512 * 8  # 2 KV heads: 28 KiB per token
-    assert est["optimizer_step"] == n * 2
+    assert est["optimizer_step"] == 0  # fused AdamW: in place
+    assert est["embedding_grad"] == 151_936 * 1536 * 2  # tied: dense, before it is summed
 
 
 def test_bf16_mixed_full_fine_tuning_terms():
@@ -178,14 +189,16 @@ def test_bf16_mixed_full_fine_tuning_terms():
     for mixed in (estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen",
                                                            "dtype": "bfloat16"})),
                   estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen"}))):
-        assert mixed["weights"] == mixed["gradients"] == mixed["optimizer_step"] == n * 4
+        assert mixed["weights"] == mixed["gradients"] == n * 4
         assert mixed["optimizer"] == n * 8
         assert mixed["reference"] == n * 2
         matmuls = Architecture.from_config(QWEN_1_5B).linear_params() + 151_936 * 1536
         assert mixed["autocast"] == matmuls * 2
         assert mixed.phase("generation") - pure.phase("generation") == matmuls * 2
-        for key in ("activations", "logits", "kv_cache"):
+        for key in ("activations", "kv_cache"):
             assert mixed[key] == pure[key]
+        # an fp32 head: no 16-bit copy of a chunk's logits' gradient
+        assert pure["logits"] - mixed["logits"] == 110 * 151_936 * 2
         assert "bf16-mixed" in mixed.title
     # pure bf16: 8 B a parameter less of weights, gradients and m, v
     assert estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen"})).phase("always") \
@@ -222,7 +235,8 @@ def test_eager_attention_adds_the_score_matrices():
     sdpa = estimate(QWEN_1_5B, qwen_full_run())
     eager = estimate(QWEN_1_5B, qwen_full_run(model__attn_implementation="eager"))
     # 12 heads × 512 keys × (4 B fp32 softmax + 2 B bf16 copy) per token and layer
-    assert eager["activations"] - sdpa["activations"] == 4096 * 28 * 12 * 512 * 6
+    # over 2560 tokens (2 distinct prompts of 256 + 8 completions of 256)
+    assert eager["activations"] - sdpa["activations"] == 2560 * 28 * 12 * 512 * 6
 
 
 def test_fp32_cpu_estimate_uses_fp32_and_no_cuda_context():
@@ -311,9 +325,9 @@ def test_memory_command_prints_table_and_ladder(tmp_path: Path, capsys):
     assert main([str(write_run(tmp_path)), "--gpu-memory", "40GB"]) == 3  # found a problem
     out = capsys.readouterr().out
     assert "memory estimate: llama, 8.03 B params" in out and "activations (training)" in out
-    assert "does not fit: 120.2 GiB > 37.3 GiB (40GB = decimal units" in out
+    assert "does not fit: 58.5 GiB > 37.3 GiB (40GB = decimal units" in out
     assert "1. micro-batch down, accumulation up" in out
-    assert "--set train.micro_batch_size=2 --set train.gradient_accumulation_steps=8" in out
+    assert "--set train.micro_batch_size=4 --set train.gradient_accumulation_steps=4" in out
 
 
 def test_memory_command_fits_and_reports_bad_sizes(tmp_path: Path, capsys):
@@ -331,3 +345,24 @@ def test_measured_peak_on_cpu():
     block = bytearray(64 * 2**20)  # touch 64 MiB
     assert peak_bytes("cpu") >= before + 60 * 2**20
     del block
+
+
+def test_generation_batch_size_caps_what_generation_holds():
+    full = estimate(LLAMA_8B, users_run())
+    capped = estimate(LLAMA_8B, users_run(rollout__generation_batch_size=4))
+    # 4 of the 16 sequences decoded at once: 131,072 B a token × 640 tokens × 4; the prefill of
+    # 4 prompts of 512: 4·512 · 2 B · (2·4096 + 3·14336) + the last tokens' logits 4 · 128256 · 12
+    assert capped["kv_cache"] == 131_072 * 640 * 4 == full["kv_cache"] // 4
+    assert capped["prefill"] == 4 * 512 * 2 * (2 * 4096 + 3 * 14336) + 4 * 128_256 * 12
+    assert capped["activations"] == full["activations"]  # training is unchanged
+
+
+def test_ladder_decodes_in_smaller_batches_before_costing_quality():
+    # the generation peak: all 64 completions (8 prompts × K 8) of 512 + 512 tokens decoded at
+    # once, KV cache 8 GiB + prefill 3.2 GiB over 16.4 GiB resident; training is 2.7 GiB
+    run = users_run(rollout__num_generations=8, rollout__max_completion_length=512,
+                    rollout__max_seq_length=1024, train__micro_batch_size=4,
+                    train__gradient_accumulation_steps=16, model__gradient_checkpointing=True)
+    steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), run, 24 * GIB)
+    assert [s.arguments for s in steps] == [["--set", "rollout.generation_batch_size=32"]]
+    assert "none in quality" in steps[0].cost and steps[0].total <= 24 * GIB

@@ -116,9 +116,10 @@ def test_gemma2_defaults_to_eager_attention_with_soft_capping():
                      "rollout": {"num_generations": 4, "max_seq_length": 512},
                      "train": {"micro_batch_size": 4}}, {})
     # 8 heads × 512 keys × (fp32 softmax 4 + its bf16 cast 2 + the tanh of the capping 2 B)
-    # per token and layer, over 4 × 512 tokens and 26 layers
+    # per token and layer, over 26 layers and the 1280 tokens the layers see: the 4 rows are
+    # one prompt's group, so its 256 prompt tokens run once, then 4 × 256 completion tokens
     assert estimate(gemma2, run)["activations"] - estimate(gemma2, sdpa)["activations"] == (
-        8 * 512 * 8 * 2048 * 26)
+        8 * 512 * 8 * (256 + 4 * 256) * 26)
     assert "eager attention keeps s×s scores (gemma2's default)" in estimate(gemma2, run).table()
 
 

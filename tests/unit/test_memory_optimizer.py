@@ -28,10 +28,9 @@ def test_lora_states_by_optimizer():
     # Adafactor: fp32 means of rows and columns; per block q, o (16 + 4096) + (4096 + 16),
     # k, v (16 + 4096) + (1024 + 16), gate, up, down (16 + 4096) + (14336 + 16)
     assert adafactor["optimizer"] == 4 * 32 * (2 * 8224 + 2 * 5152 + 3 * 18_464) == 10_514_432
-    # step: foreach AdamW's sqrt(v) buffer; bitsandbytes nothing; Adafactor grad² and its
-    # estimate for the largest adapter matrix (14336 × 16), fp32
-    assert adamw["optimizer_step"] == LORA_8B * 4
-    assert eight["optimizer_step"] == paged["optimizer_step"] == 0
+    # step: the trainer's fused AdamW and bitsandbytes update in place; Adafactor grad² and
+    # its estimate for the largest adapter matrix (14336 × 16), fp32
+    assert adamw["optimizer_step"] == eight["optimizer_step"] == paged["optimizer_step"] == 0
     assert adafactor["optimizer_step"] == 229_376 * 4 * 2
     assert "8-bit AdamW states" in eight.table() and "paged" in paged.table()
     assert adafactor.total == adamw.total - adamw["optimizer"] + adafactor["optimizer"]
@@ -73,7 +72,7 @@ def test_cpu_offload_keeps_the_shards_off_the_gpu():
     assert "in host memory (distributed.cpu_offload)" in off.table()
     # what FSDP2 gathers to the GPU to compute is the same
     assert off["fsdp_gather"] == plain["fsdp_gather"] and off["fsdp_grads"] == plain["fsdp_grads"]
-    assert off.total < plain.total - n * (4 + 8 + 2) // 2  # at least what is always there
+    assert off.total <= plain.total - n * (4 + 8 + 2) // 2  # at least what is always there
 
 
 @pytest.mark.parametrize(("optimizer", "offered"), [("adamw", True), ("adafactor", False)])

@@ -17,6 +17,7 @@ from mogrpo.cli import (
     data,
     demo,
     doctor,
+    plan,
     predict,
     report,
     serve,
@@ -37,10 +38,10 @@ EPILOG = """examples:
 priority of values: --set > environment (MOGRPO_SECTION__KEY) > config file > defaults
 
 exit status: 0 ok; 1 internal error (a bug: traceback printed); 2 usage, config or data error;
-3 a check found a problem (doctor, data check, checkpoints, memory, a health stop); 130 Ctrl-C
+3 a check found a problem (doctor, data check, checkpoints, memory, plan, a health stop); 130 Ctrl-C
 """
 
-COMMANDS = (train, checkpoints, doctor, memory, demo, serve, vllm_server, report, data, predict,
+COMMANDS = (train, checkpoints, doctor, memory, plan, demo, serve, vllm_server, report, data, predict,
             config)
 """The command groups, in the order `mogrpo --help` lists them."""
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from mogrpo.config import load_config
 from mogrpo.errors import ConfigError, ExitCode, MogrpoError
-from mogrpo.memory.estimate import GIB, estimate, reward_model_configs
-from mogrpo.memory.ladder import Step, ladder, scale_out
-from mogrpo.memory.model_config import load_model_config
+from mogrpo.memory.estimate import GIB
+from mogrpo.memory.ladder import Step
+from mogrpo.memory.plan import plan_run
 
 log = logging.getLogger(__name__)
 
@@ -56,43 +56,41 @@ def cmd_memory(args: argparse.Namespace) -> int:
     """The `mogrpo memory` command: print the table and, when over budget, the ladder."""
     # before torch: errors in a second; the run may be meant for another machine (a GPU's)
     config, _ = load_config(args.config, args.overrides, machine=False)
-    import torch
-
-    model_config = load_model_config(config.model.name_or_path,
-                                     trust_remote_code=config.model.trust_remote_code)
-    gpu = None if args.gpu_memory is None else parse_size(args.gpu_memory)
-    if gpu is None and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_properties(0).total_memory
-    rms = reward_model_configs(config)
-    # the module tree is built (on the meta device) once; the ladder re-estimates many configs
-    from mogrpo.modeling.architecture import Architecture
-
-    shape = Architecture.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
-    nproc = args.nproc
-    result = estimate(shape, config, reward_models=rms, nproc=nproc, gpu_memory=gpu)
-    print(result.table())
+    plan = plan_run(config, gpu_bytes(args.gpu_memory), args.nproc)
+    print(plan.estimate.table())
+    gpu, total = plan.gpu, plan.estimate.total
     if gpu is None:
         print("\nno GPU given or visible: pass --gpu-memory 24GB to check the fit")
         return 0
-    each = " per process" if nproc > 1 else ""
-    if result.total <= gpu:
-        print(f"\nfits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB{each}")
+    each = " per process" if args.nproc > 1 else ""
+    if plan.fits:
+        print(f"\nfits: {total / GIB:.1f} of {gpu / GIB:.1f} GiB{each}")
         return 0
-    decimal = re.search(r"[kmgt]b\s*$", args.gpu_memory or "", re.I)
-    hint = f" ({args.gpu_memory} = decimal units; write GiB for binary)" if decimal else ""
-    print(f"\ndoes not fit: {result.total / GIB:.1f} GiB{each} > {gpu / GIB:.1f} GiB{hint}. "
-          "Changes, cumulative, cheapest first:")
-    steps = ladder(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n, gpu_memory=gpu),
-                   config, gpu, nproc)
-    _print_steps(steps, each)
-    wider = scale_out(lambda c, n: estimate(shape, c, reward_models=rms, nproc=n,
-                                            gpu_memory=gpu), config, gpu, nproc)
+    print(f"\ndoes not fit: {total / GIB:.1f} GiB{each} > {gpu / GIB:.1f} GiB"
+          f"{decimal_hint(args.gpu_memory)}. Changes, cumulative, cheapest first:")
+    _print_steps(plan.steps, each)
+    wider = plan.scale_out()
     if wider:
         print("or, at no cost in quality, on more GPUs (one process each):")
         _print_steps([wider], " per process")
-    if (not steps or steps[-1].total > gpu) and not wider:
+    if not plan.first_fit and not wider:
         print("  still too big: use a smaller model or shorter prompts")
     return ExitCode.FOUND_PROBLEM
+
+
+def gpu_bytes(size: str | None) -> int | None:
+    """`--gpu-memory`'s bytes; without it the visible GPU's, else None."""
+    if size is not None:
+        return parse_size(size)
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def decimal_hint(size: str | None) -> str:
+    """A note when a size was written in decimal units (`40GB` is 37.3 GiB)."""
+    decimal = re.search(r"[kmgt]b\s*$", size or "", re.I)
+    return f" ({size} = decimal units; write GiB for binary)" if decimal else ""
 
 
 def _print_steps(steps: list[Step], each: str) -> None:

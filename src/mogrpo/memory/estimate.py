@@ -64,8 +64,10 @@ from mogrpo.config.hardware import quantization_errors, quantized_field
 from mogrpo.config.precision import MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
 from mogrpo.errors import ConfigError, MogrpoError
+from mogrpo.memory.head import chunked, head_bytes, layer_tokens, shared_prompts
 from mogrpo.memory.optimizer import Trained, state_bytes, step_bytes
 from mogrpo.memory.optimizer import describe as describe_optimizer
+from mogrpo.memory.weights import weight_bytes, weight_label
 
 if TYPE_CHECKING:  # the module tree is built with torch: imported when an estimate is made
     from mogrpo.modeling.architecture import Architecture, LinearLayer
@@ -73,9 +75,6 @@ if TYPE_CHECKING:  # the module tree is built with torch: imported when an estim
 GIB = 2**30
 CUDA_OVERHEAD = GIB
 """CUDA context (torch, cuBLAS, cuDNN kernels: ~0.3–0.6 GiB) plus allocator slack, rounded up."""
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
-"""bitsandbytes NF4 with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits per weight,
-an 8-bit absmax per 64-weight block and an fp32 constant per 256 blocks = 4.127 bits."""
 ADAPTER_BYTES = 4  # LoRA adapters are trained weights: float32 but under pure bf16
 PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
 
@@ -303,9 +302,9 @@ def _assumptions(shape: Architecture, mc: ModelConfig, precision: str) -> list[s
             if precision == "bf16" else "float32 trained weights"
             + (f", matmuls and activations in {'bf' if 'bf' in precision else 'fp'}16 under "
                "autocast" if precision.endswith("-mixed") else "")),
-        "gradients held in training from the 1st micro-batch on (they exist from its backward; "
-        "with accumulation 1 its forward peaks before them), through the optimizer step, and "
-        "freed before the next generation"]
+        "gradients held from the 2nd micro-batch of a pass on (with one micro-batch, from its "
+        "backward, which frees the activations as it makes them), through the optimizer step, "
+        "and freed before the next generation"]
 
 
 def _activations_both_ways(shape: Architecture, run: RunConfig, p: int, device: str,
@@ -316,7 +315,8 @@ def _activations_both_ways(shape: Architecture, run: RunConfig, p: int, device: 
     checkpointing = run.model.gradient_checkpointing
     activations = {gc: _activations(shape, with_changes(run, {"model.gradient_checkpointing": gc}), p,
                                     device, layout.micro_batch, prompt + completion,
-                                    completion + 1)[0] for gc in (False, True)}
+                                    completion + 1, layout.strategy, prompt)[0]
+                   for gc in (False, True)}
     other = activations[not checkpointing]
     for term in terms:
         if term.key == "activations":
@@ -357,18 +357,28 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
     on_gpu = 0 if host else 1 / n
     per = f" / {n} (shard)" if n > 1 else ""
     per += "; in host memory (distributed.cpu_offload)" if host else ""
-    weights, how = _weight_bytes(shape, run, precision)
+    weights, how = weight_bytes(shape, run, precision)
     terms: list[Term] = []
-    _add(terms, "weights", _weight_label(run), weights * on_gpu, "always", how + per)
+    _add(terms, "weights", weight_label(run), weights * on_gpu, "always", how + per)
     if lc.enabled:
         _add(terms, "lora", f"LoRA adapters (r {lc.r})", n_lora * a_bytes * on_gpu, "always",
              f"{n_lora / 1e6:.1f} M × {a_bytes} B, {len(modules)} modules "
              f"({', '.join(sorted({m.leaf for m in modules}))}){per}")
     # held from the first backward to the optimizer step; the trainer frees them before the
     # next rollout (and after the SFT warm-up)
-    _add(terms, "gradients", "gradients", trainable * t_bytes * on_gpu, "training",
-         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; also in the optimizer step "
-         "and SFT, freed before generation", also=("optimizer step", "SFT warm-up"))
+    # with one micro-batch a pass, none exist in its forward, and the backward frees the
+    # activations as it makes them: they are counted with the optimizer step, not training
+    many = layout.rows > layout.micro_batch
+    _add(terms, "gradients", "gradients", trainable * t_bytes * on_gpu,
+         "training" if many else "optimizer step",
+         f"{trainable / 1e6:,.1f} M trainable × {t_bytes} B{per}; " + (
+             "in training from the 2nd micro-batch on" if many else "one micro-batch a pass: "
+             "from its backward") + ", through the optimizer step; freed before generation",
+         also=("optimizer step", "SFT warm-up") if many else ("SFT warm-up",))
+    if not lc.enabled and shape.tied:
+        _add(terms, "embedding_grad", "tied embedding gradient", shape.vocab * shape.hidden
+             * t_bytes * on_gpu, "optimizer step", "the input embedding's dense gradient at "
+             "the end of the backward, before autograd adds it to the head's")
     if layout.strategy == "ddp":
         _add(terms, "ddp_buckets", "DDP gradient buckets", trainable * t_bytes, "always",
              "gradients copied into buckets for the all-reduce")
@@ -386,39 +396,10 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
     # what the step allocates on top of the states (an own phase: no activations)
     _add(terms, "optimizer_step", "optimizer step temporaries",
          step_bytes(kind, trained, t_bytes) * on_gpu, "optimizer step", {
-             "adamw": "foreach AdamW's sqrt(v) buffer",
+             "adamw": "none: fused AdamW steps in place",
              "adafactor": "fp32 grad² and its estimate, of the largest matrix"}.get(
                  kind, "none: bitsandbytes steps in place") + per)
     return terms
-
-
-def _weight_label(run: RunConfig) -> str:
-    quantized = quantized_field(run.model)
-    return "weights" if not quantized else (
-        "weights (4-bit NF4)" if quantized.endswith("4bit") else "weights (8-bit)")
-
-
-def _weight_bytes(shape: Architecture, run: RunConfig, precision: str) -> tuple[int, str]:
-    """Bytes of every weight (trained in the master dtype, a frozen LoRA base in the compute
-    one), and how. A quantised base: its linear weights in 4 or 8 bits, its 1-D weights in
-    the master dtype (fp32 but under pure bf16: `mogrpo.modeling.quantize`), the embedding and
-    head in the compute dtype."""
-    n_all, n_lin = shape.params, shape.linear_params()
-    master, compute = MASTER_BYTES[precision], 4 if precision == "fp32" else 2
-    quantized = quantized_field(run.model)
-    if not quantized:
-        w = compute if run.lora.enabled else master
-        return n_all * w, f"{n_all / 1e9:.2f} B × {w} B"
-    n_emb = shape.embedding_params()
-    n_vec = n_all - n_lin - n_emb
-    if quantized.endswith("4bit"):
-        lin, each = n_lin * NF4_BYTES, f"× {NF4_BYTES:.3f} B"
-    else:  # int8 codes and an fp32 scale per output row (LLM.int8()'s SCB)
-        rows = sum(lin.out_features for lin in shape.modules.linears)
-        lin, each = n_lin + 4 * rows, f"× 1 B + {rows:,} row scales × 4 B"
-    return (int(math.ceil(lin)) + n_vec * master + n_emb * compute,
-            f"{n_lin / 1e9:.2f} B linear weights {each} + {n_emb / 1e9:.2f} B embedding/head "
-            f"× {compute} B + {n_vec / 1e6:.2f} M norms, biases × {master} B")
 
 
 def _fsdp_terms(shape: Architecture, run: RunConfig, c: int) -> list[Term]:
@@ -460,23 +441,28 @@ def _fsdp_terms(shape: Architecture, run: RunConfig, c: int) -> list[Term]:
 
 
 def _activations(shape: Architecture, run: RunConfig, p: int, device: str, batch: int, seq: int,
-                 head_positions: int) -> tuple[int, int]:
-    """(bytes, per token per layer) autograd keeps for `batch` sequences of `seq` tokens."""
+                 head_positions: int, strategy: str = "none", prompt: int = 0) -> tuple[int, int]:
+    """(bytes, per token per layer) autograd keeps for `batch` sequences of `seq` tokens, the
+    first `prompt` of them a prompt shared by K rows where the forward shares prompts
+    (`mogrpo.memory.head`: each distinct prompt once, its keys and values joined to each row's)."""
     lc = run.lora
     lora = [m for m in lora_modules(shape, lc.target_modules) if m.layer == 0] if lc.enabled else []
     per_layer = layer_activation_bytes(
         shape, p, full_ft=not lc.enabled, lora=lora, rank=lc.r, dropout=lc.dropout,
         mask_bytes=1 if device == "cuda" else 4,
         eager_len=seq if (run.model.attn_implementation or shape.attention) == "eager" else 0)
-    tokens = batch * seq
+    shared = bool(prompt) and shared_prompts(shape, run, strategy)
+    tokens = layer_tokens(batch, prompt, seq - prompt, run.rollout.num_generations, shared)
+    # each row's copy of its prompt's keys and values, kept by the attention of its completion
+    joined = batch * prompt * 2 * shape.kv_dim * p * shape.layers if shared else 0
     # the final norm's input (fp32 for an RMSNorm); a trainable head also keeps its normed
     # input and the head's input
     norm = 4 if shape.rms_norms else p
-    head = tokens * norm * shape.hidden + (0 if lc.enabled else p * shape.hidden * (
+    kept = tokens * norm * shape.hidden + joined + (0 if lc.enabled else p * shape.hidden * (
         tokens + batch * head_positions))
     if run.model.gradient_checkpointing:  # layer inputs + one layer recomputed at a time
-        return tokens * (shape.layers * p * shape.hidden + per_layer) + head, per_layer
-    return tokens * shape.layers * per_layer + head, per_layer
+        return tokens * (shape.layers * p * shape.hidden + per_layer) + kept, per_layer
+    return tokens * shape.layers * per_layer + kept, per_layer
 
 
 def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
@@ -485,7 +471,8 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     this process's share of it."""
     prompt, completion = derive_lengths(run.rollout)
     seq, b = prompt + completion, layout.micro_batch
-    n_gen = layout.rows  # this process's prompts × K, generated at once
+    # this process's prompts × K, generated at once unless rollout.generation_batch_size caps it
+    n_gen = min(layout.rows, run.rollout.generation_batch_size or layout.rows)
     kv_token = 2 * shape.layers * shape.kv_dim * p
     terms: list[Term] = []
     if run.rollout.engine != "vllm":  # vLLM's KV cache and prefill are in its share
@@ -498,15 +485,21 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
         _add(terms, "prefill", "prefill working set",
              n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12,
              "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a time")
-    act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1)
+    act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1,
+                                  layout.strategy, prompt)
     how = "checkpointed" if run.model.gradient_checkpointing else "no checkpointing"
+    shared = shared_prompts(shape, run, layout.strategy)
     _add(terms, "activations", "activations (training)", act, "training",
-         f"{b} seqs × {seq} tokens × {per_layer / 1024:.0f} KiB/layer, {how}")
-    # the head's logits over the completion, then their gradient, in the activation dtype, and
-    # the fp32 rows the log-softmax keeps for backward (mogrpo.algo.logprobs)
-    _add(terms, "logits", "logits (training)",
-         b * shape.vocab * (p * (completion + 1) + 4 * completion), "training",
-         f"{b} × {completion + 1} × {shape.vocab} vocab × ({p} B + fp32)")
+         f"{b} seqs × {seq} tokens × {per_layer / 1024:.0f} KiB/layer, {how}"
+         + (f"; each distinct prompt once ({math.ceil(b / run.rollout.num_generations)})"
+            if shared else ""))
+    precision = resolve_precision(run.model.precision, run.model.dtype, device)
+    trained_head = not run.lora.enabled
+    head_w = MASTER_BYTES[precision] if trained_head else 4 if precision == "fp32" else 2
+    value, head_how = head_bytes(shape, b, completion, p, trained=trained_head,
+                                      is_chunked=chunked(shape, layout.strategy),
+                                      weight_bytes=head_w)
+    _add(terms, "logits", "log-prob head (training)", value, "training", head_how)
     sft = run.sft
     if sft.enabled:  # the warm-up: whole sequences, and HF's loss upcasts all their logits
         act, _ = _activations(shape, run, p, device, sft.batch_size, sft.max_length,

@@ -95,6 +95,17 @@ def _vllm_share(run: RunConfig, nproc: int) -> Rung:
             "in the share")
 
 
+def _generation_batch(run: RunConfig, nproc: int) -> Rung:
+    """Decode the step's completions in smaller batches (the native and hf engines; vLLM's
+    memory is its share)."""
+    rows = run.train.micro_batch_size * run.train.gradient_accumulation_steps // nproc
+    now = min(rows, run.rollout.generation_batch_size or rows)
+    options = [{"rollout.generation_batch_size": n} for n in _half_quarter(now)]
+    return ("smaller generation batch", options if run.rollout.engine != "vllm" else [],
+            "none in quality (the same completions, decoded in more, smaller batches); slower "
+            "rollouts")
+
+
 def _four_bit(run: RunConfig, nproc: int) -> Rung:
     ok = run.lora.enabled and not run.model.load_in_4bit
     return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
@@ -184,7 +195,8 @@ def _pure_bf16(run: RunConfig, nproc: int) -> Rung:
 
 
 RUNGS: tuple[Callable[[RunConfig, int], Rung], ...] = (
-    _micro_batch, _checkpointing, _vllm_sleep, _vllm_share, _shard, _sft_batch, _four_bit,
+    _micro_batch, _checkpointing, _vllm_sleep, _vllm_share, _generation_batch, _shard, _sft_batch,
+    _four_bit,
     _completions, _fewer_generations, _lower_rank, _eight_bit_optimizer, _pure_bf16)
 """Quality-neutral changes first (they cost only speed), then those that cost quality; pure
 bf16, which can stop a run from learning at all, last."""

@@ -2,7 +2,7 @@
 
 | optimizer | state per tensor of n values | step temporaries |
 |---|---|---|
-| `adamw` | m and v in the weights' (master) dtype: 2·n·b | foreach's sqrt(v) buffer, n·b over all tensors |
+| `adamw` | m and v in the weights' (master) dtype: 2·n·b | none: the trainer's fused AdamW (`fused=True`, CPU and CUDA) updates each tensor in place |
 | `adamw_8bit`, `paged_adamw_8bit` | uint8 m and v + an fp32 absmax per 256-value block each: 2·n + 8·⌈n/256⌉; tensors under 4,096 values keep fp32 m and v (8·n) | none: one in-place kernel per tensor |
 | `adafactor` | a rows × cols matrix: fp32 row and column means, 4·(rows + cols); a vector: 4·n | per tensor, one at a time: grad² and its factored estimate in fp32 (2 × 4·n), plus fp32 copies of a 16-bit gradient and weight (2 × 4·n more) |
 
@@ -72,8 +72,6 @@ def _bnb(n: int) -> int:
 
 def step_bytes(kind: str, trained: Trained, master: int) -> int:
     """What one optimizer step allocates on top of the states (see the module docstring)."""
-    if kind == "adamw":
-        return master * trained.numel
     if kind == "adafactor":
         return 4 * trained.largest * (2 if master == 4 else 4)
     return 0
