@@ -163,3 +163,23 @@ def test_backward_keeps_dropped_positions_not_a_mask():
     dropped = saved[-1]
     assert dropped.dtype == torch.int64 and 0 < len(dropped) < x.numel() // 5
     assert sum(t.numel() for t in saved if t.shape == x.shape) == 2 * x.numel()  # x, dropout(x)
+
+
+def test_gradient_checkpointing_recomputes_what_the_forward_computed():
+    """With activations recomputed in the backward, the recomputation runs after the products'
+    context has closed: the context stays off for such a model, so the forward and its
+    recomputation take the same layers (fused ones would save other tensors, which
+    torch.utils.checkpoint refuses) and the gradients are peft's own."""
+    results = []
+    for products in (kernels.products(), None):
+        model = _model(0.0)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(1, 64, (3, 5))
+        completions = torch.randint(1, 64, (3, 6))
+        kwargs = {} if products is None else {"products": products}
+        logp, _ = completion_logprobs(model, ids, torch.ones_like(ids), completions,
+                                      torch.ones_like(completions), **kwargs)
+        logp.sum().backward()  # raised CheckpointError with the fused layers
+        results.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

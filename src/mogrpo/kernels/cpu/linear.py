@@ -358,6 +358,11 @@ def trained_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return F.linear(x, w, b)
 
 
+def _recomputes(model: nn.Module) -> bool:
+    """Whether some module of `model` has Hugging Face's gradient checkpointing on."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 @contextmanager
 def cpu_linears(model: nn.Module) -> Iterator[None]:
     """A context in which every `nn.Linear` of `model` — the model's own, peft's base layers,
@@ -367,11 +372,15 @@ def cpu_linears(model: nn.Module) -> Iterator[None]:
 
     The layers are made `CPULinear` for the context and plain `nn.Linear` again after it:
     only the linears pay for the switch (a mode intercepting every torch call of the forward
-    cost a LoRA forward ~10 %). Off for models that are not on a CPU in float32, and for
-    torch.compile'd ones (the compiler picks its own kernels)."""
+    cost a LoRA forward ~10 %). Off for models that are not on a CPU in float32, for
+    torch.compile'd ones (the compiler picks its own kernels), and for models that recompute
+    activations in the backward (gradient checkpointing): the recomputation runs after this
+    context has closed, so it would compute on other layers than the forward did — a
+    different arithmetic, and for fused LoRA layers a different set of saved tensors, which
+    torch.utils.checkpoint refuses."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32 \
-            or hasattr(model, "_orig_mod"):
+            or hasattr(model, "_orig_mod") or _recomputes(model):
         yield
         return
     layers = [m for m in model.modules() if type(m) is nn.Linear]
