@@ -4,6 +4,7 @@ Llama 3.1 forms, and calls run with errors and timeouts given to the model as te
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -105,3 +106,14 @@ def test_calls_of_a_batch_run_concurrently():
     results = run_tool_calls([(tools, ToolCall("slow", {"seconds": 0.3}))] * 8, timeout_s=5)
     assert [r.content for r in results] == ["done"] * 8
     assert time.monotonic() - start < 1.5
+
+
+def test_a_sync_tool_that_outlives_its_timeout_ends_quietly(monkeypatch):
+    # its thread finishes after the batch gave up on it: nothing may raise in that thread
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    (result,) = run_tool_calls([({"slow": slow}, ToolCall("slow", {"seconds": 0.3}))], 0.05)
+    assert result.timed_out
+    for thread in [t for t in threading.enumerate() if t.name == "mogrpo-tool-slow"]:
+        thread.join(5)
+    assert raised == []

@@ -162,6 +162,7 @@ def _start(fn: Callable[..., Any], arguments: dict[str, Any]) -> Future:
     if inspect.iscoroutinefunction(fn):
         return asyncio.run_coroutine_threadsafe(fn(**arguments), _AsyncLoop.get())
     future: Future = Future()
+    future.set_running_or_notify_cancel()  # running: a timeout cannot cancel it, only leave it
 
     def run() -> None:
         try:
