@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from mogrpo import kernels
 from mogrpo.algo.logprobs import distinct_prompts, token_positions
 from mogrpo.kernels import decode_add_product, decode_linear, decode_product
+from mogrpo.rollout.cache_rows import row_moves, rows_of, shift_rows
 from mogrpo.rollout.layer_ops import (
     attend_one,
     bound_norm,
@@ -238,17 +239,17 @@ class NativeDecoder:
         """Keep the rows `rows` of the cache, in that order (after a prefill of distinct
         prompts, each row gets its prompt's). Only the columns written so far are copied: a
         decode step writes its column before any query reads it."""
-        self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
-        self.values = [_rows_of(v, rows, self.length) for v in self.values]
+        self.keys = [rows_of(k, rows, self.length) for k in self.keys]
+        self.values = [rows_of(v, rows, self.length) for v in self.values]
         self._keep_row_state(rows)
 
     def keep_unfinished(self, rows: Tensor) -> None:
         """`keep` for rows that rise strictly (the unfinished ones, when others finish): the
-        cache's rows move up in place (`_shift_rows`), only those after the first finished
+        cache's rows move up in place (`shift_rows`), only those after the first finished
         row, and no new cache is allocated."""
-        moves = _row_moves(rows.tolist())
-        self.keys = [_shift_rows(k, moves, len(rows), self.length) for k in self.keys]
-        self.values = [_shift_rows(v, moves, len(rows), self.length) for v in self.values]
+        moves = row_moves(rows.tolist())
+        self.keys = [shift_rows(k, moves, len(rows), self.length) for k in self.keys]
+        self.values = [shift_rows(v, moves, len(rows), self.length) for v in self.values]
         self._keep_row_state(rows)
 
     def _keep_row_state(self, rows: Tensor) -> None:
@@ -334,42 +335,6 @@ class NativeDecoder:
         if self.plain is None:
             return attn.o_proj(out)
         return decode_linear(out, *self.plain[i].out)
-
-
-def _rows_of(cache: Tensor, rows: Tensor, columns: int) -> Tensor:
-    """A cache [len(rows), H_kv, T_max, D] holding `cache`'s rows `rows` in its first
-    `columns` columns (the rest left unwritten)."""
-    out = cache.new_empty((len(rows), *cache.shape[1:]))
-    out[:, :, :columns] = cache[rows, :, :columns]
-    return out
-
-
-def _row_moves(rows: list[int]) -> list[tuple[int, int, int]]:
-    """The block copies (first, end, shift) that move rows `rows` (strictly rising) of a
-    cache to its first len(rows) rows in place: rows first..end-1 take rows first+shift..
-    end-1+shift, in this order. A run of rows with the same shift is copied in blocks of at
-    most `shift` rows, so no block overlaps its source, and each source is read before an
-    earlier block's copy overwrites it. Rows before the first that leaves stay."""
-    moves, i, n = [], 0, len(rows)
-    while i < n and rows[i] == i:
-        i += 1
-    while i < n:
-        shift = rows[i] - i
-        j = i + 1
-        while j < n and rows[j] - j == shift:
-            j += 1
-        moves.extend((first, min(first + shift, j), shift) for first in range(i, j, shift))
-        i = j
-    return moves
-
-
-def _shift_rows(cache: Tensor, moves: list[tuple[int, int, int]], rows: int,
-                columns: int) -> Tensor:
-    """`cache` [B, H_kv, T_max, D] with `moves` (see `_row_moves`) done on its first `columns`
-    columns; its first `rows` rows, a view."""
-    for first, end, shift in moves:
-        cache[first:end, :, :columns].copy_(cache[first + shift:end + shift, :, :columns])
-    return cache[:rows]
 
 
 @dataclass
