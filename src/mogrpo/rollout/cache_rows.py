@@ -7,10 +7,10 @@ from __future__ import annotations
 from torch import Tensor
 
 
-def rows_of(cache: Tensor, rows: Tensor, columns: int) -> Tensor:
+def rows_of(cache: Tensor, rows: Tensor, columns: int, zero: bool = False) -> Tensor:
     """A cache [len(rows), H_kv, T_max, D] holding `cache`'s rows `rows` in its first
-    `columns` columns (the rest left unwritten)."""
-    out = cache.new_empty((len(rows), *cache.shape[1:]))
+    `columns` columns (the rest left unwritten, or zeros where `zero`)."""
+    out = (cache.new_zeros if zero else cache.new_empty)((len(rows), *cache.shape[1:]))
     out[:, :, :columns] = cache[rows, :, :columns]
     return out
 
