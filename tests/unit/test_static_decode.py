@@ -1,6 +1,7 @@
 """The native engine's static decode (`rollout/static_decode.py`), the step a CUDA graph captures:
-the eager decode's tokens and log-probs, buckets of rows, rows leaving; and the graph runner's
-bookkeeping with its capture replaced by a direct call (a capture itself needs a GPU:
+the eager decode's tokens and log-probs, buckets of rows, rows leaving; and the graph runner
+(`kernels/cuda/graph_step.py`) with its capture replaced by a trace of the step that each replay
+reruns, which is as close to a CUDA graph as a CPU gets (a capture itself needs a GPU:
 `benchmarks/gpu_equivalence.py`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import AutoTokenizer
 
 from mogrpo import kernels
@@ -37,14 +39,29 @@ def prompts(tok):
             enc["attention_mask"].repeat_interleave(K, dim=0))  # [12, P]
 
 
+def traced_capture(step, pool):
+    """`graph_step.capture` as far as a CPU goes: the step traced once (make_fx: its operations
+    on the very tensors it read, the Python around them run once) and each replay reruns the
+    trace, as a CUDA graph replays its kernels. A step whose work hung on Python state that
+    changes between steps (a column as an int, a tensor replaced) replays stale work here too."""
+    trace = make_fx(lambda: step())()
+    out = trace().clone()
+    return (lambda: out.copy_(trace())), out, pool
+
+
+def traced(step):
+    """A `GraphedStep` whose capture is `traced_capture`."""
+    return graph_step.GraphedStep(step, capture=traced_capture)
+
+
 def family_model(family, tok):
     return random_family_model(family, len(tok), pad_token_id=tok.pad_token_id,
                                eos_token_id=tok.eos_token_id)
 
 
-def decode(model, prompts, settings, *, stop_ids, static, seed=0, smallest=1, runner_for=None):
+def decode(model, prompts, settings, *, stop_ids, static, seed=0, smallest=1, runner_for=traced):
     """(Decoded, the StaticDecoder or None): the eager decode, or the static one on buckets down
-    to `smallest` rows."""
+    to `smallest` rows, each bucket's step traced once and replayed (`traced`)."""
     ids, mask = prompts
     decoder = NativeDecoder(model)
     if static:
@@ -84,6 +101,32 @@ def test_static_decode_equals_the_eager_decode_as_rows_finish(family, tok, promp
     assert captured[0] == 12 and len(captured) >= 2  # and moved to smaller buckets
     assert captured == sorted(captured, reverse=True)
     assert set(captured) <= set(bucket_sizes(12, 1))
+    assert decoder.runner.failed is None
+
+
+def test_a_replayed_step_follows_the_columns_and_a_step_frozen_at_its_capture_would_not(
+        tok, prompts, monkeypatch):
+    """Nine steps on one bucket, replayed from one trace: the eager decode's tokens. The same
+    trace of a step that picks its column as a Python int (as the eager step's slices do)
+    writes every step's keys to the capture's column: other tokens. This is what the traced
+    replay of these tests catches, and what a CUDA graph would do."""
+    model = family_model("llama", tok)
+    settings = SamplingSettings(max_new_tokens=10, greedy=True)
+    eager, _ = decode(model, prompts, settings, stop_ids=[1], static=False)
+    assert (eager.tokens != PAD).all()  # no row stops: every step on the 12-row bucket
+    static, decoder = decode(model, prompts, settings, stop_ids=[1], static=True)
+    assert_same_decode(eager, static)
+    assert decoder.runner.captured == [12]
+    static_step = NativeDecoder.static_step
+
+    def python_column(self, tokens, column, columns):
+        return static_step(self, tokens, torch.tensor([self.length]), columns)
+
+    monkeypatch.setattr(NativeDecoder, "static_step", python_column)
+    direct, _ = decode(model, prompts, settings, stop_ids=[1], static=True, runner_for=None)
+    frozen, _ = decode(model, prompts, settings, stop_ids=[1], static=True)
+    assert torch.equal(direct.tokens, eager.tokens)
+    assert not torch.equal(frozen.tokens, eager.tokens)
 
 
 @pytest.mark.parametrize("options", [
@@ -100,7 +143,7 @@ def test_static_decode_samples_the_eager_decodes_tokens_from_one_seed(options, t
     for seed in (3, 4):
         eager, _ = decode(model, prompts, settings, stop_ids=stops, static=False, seed=seed)
         static, decoder = decode(model, prompts, settings, stop_ids=stops, static=True,
-                                 seed=seed)
+                                 seed=seed, runner_for=None)  # (the replays: tested above)
         assert_same_decode(eager, static)
         assert len(set((eager.tokens != PAD).sum(1).tolist())) >= 3
         assert len(decoder.runner.captured) >= 2
@@ -172,16 +215,12 @@ def test_finished_rows_left_in_their_bucket_cannot_change_the_live_rows(tok, pro
 def test_native_decode_runs_static_where_kernels_offer_a_graph_runner(tok, prompts,
                                                                       monkeypatch):
     """Where `mogrpo.kernels.graph_runner` gives a runner (CUDA), `native_decode` takes the static
-    path on its own; here a `GraphedStep` whose capture is a direct call stands in for CUDA's
-    (its replay refreshes one output tensor, as a graph's does)."""
+    path on its own; here a `GraphedStep` whose capture is a trace (`traced`) stands in for
+    CUDA's (its replay refreshes one output tensor, as a graph's does)."""
     made: list[graph_step.GraphedStep] = []
 
-    def direct_capture(step, pool):
-        out = step().clone()
-        return (lambda: out.copy_(step())), out, "pool"
-
     def runner(step):
-        made.append(graph_step.GraphedStep(step, capture=direct_capture))
+        made.append(traced(step))
         return made[-1]
 
     model = family_model("phi3", tok)
@@ -195,7 +234,7 @@ def test_native_decode_runs_static_where_kernels_offer_a_graph_runner(tok, promp
     graphed = native_decode(model, ids, mask, settings, stop_ids=stops, pad_id=0,
                             record_logprobs=True)
     assert_same_decode(eager, graphed)
-    assert len(made) == 1 and made[0].pool == "pool"
+    assert len(made) == 1 and made[0].failed is None
     assert made[0].captured[0] == 12 and len(made[0].captured) >= 2
     assert min(made[0].captured) >= 2  # no bucket below the smallest
     forced_off = native_decode(model, ids, mask, settings, stop_ids=stops, pad_id=0,
