@@ -9,8 +9,8 @@ graphs of one decode share one memory pool (they never run at once, and the buck
 captured largest first, as they are met).
 
 The capture (`capture`) is the one part CPUs cannot run: the tests run `GraphedStep` with the
-capture replaced by a direct call, and `benchmarks/gpu_equivalence.py` checks the graphed decode
-against the eager one on a GPU. A step that cannot be captured (an operation that waits for the
+capture replaced by a trace of the step that each replay reruns (tests/unit/test_static_decode.py),
+and `benchmarks/gpu_equivalence.py` checks the graphed decode against the eager one on a GPU. A step that cannot be captured (an operation that waits for the
 host, say, in a model's own module) runs eagerly, with one log line. `MOGRPO_DECODE_GRAPH=0`
 turns the graphs off: the native engine's eager step runs.
 """
