@@ -16,8 +16,8 @@ new shape at every token (one more cache column) and every time rows finish (few
   where they are, computed and ignored (their cost is the bucket's), until the live rows fit a
   smaller bucket: then they move up in place (`cache_rows.shift_rows`, the eager path's own
   copies) and the steps run on that bucket. A bucket is captured at its first step and
-  replayed after (`mogrpo.kernels.graph_runner`), at most `len(bucket_sizes(B))` captures a
-  decode, every one while rows leave;
+  replayed after (`mogrpo.kernels.graph_runner`): at most `len(bucket_sizes(B))` captures a
+  decode, the first at its first step, each other when rows leave;
 - sampling runs right after the step, on the live rows' logits, with the eager loop's own rules
   (`_decode` in `rollout/native.py`), so the random draws are the same ones.
 
@@ -42,10 +42,10 @@ from torch import Tensor
 
 from mogrpo.rollout.cache_rows import row_moves, shift_rows
 
-# Below this many rows a GPU step costs about the same at any row count (it reads the weights
-# once whatever the rows), while each smaller bucket costs a capture (~ a few eager steps):
-# rows that finish then stay in their bucket. An estimate to check on a GPU
-# (`benchmarks/decode_speed.py --device cuda` times the graphed engine).
+# Below this many rows a GPU step should cost about the same at any row count (it reads the
+# weights once whatever the rows), while each smaller bucket costs a capture (~3 eager steps:
+# two warm-ups and the capture): rows that finish then stay in their bucket. An estimate, not
+# yet measured: a GPU run timing rollouts whose rows finish apart, at other values, settles it.
 SMALLEST_BUCKET = 16
 
 
