@@ -292,3 +292,29 @@ def test_a_failed_capture_says_so_once(caplog):
             assert runner(bucket).tolist() == [1.0]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "capture failed" in lines[0] and "eagerly" in lines[0]
+
+
+def test_a_replay_that_differs_from_the_eager_step_turns_the_graphs_off(monkeypatch, caplog):
+    """A graph that replays something else than the step (a wrong capture) would sample from
+    another distribution without a sound: its first replay is checked against the eager step."""
+    monkeypatch.setattr(graph_step, "DISTRUSTED", None)
+    monkeypatch.delenv(graph_step.ENV, raising=False)
+    value = torch.tensor([1.0, 2.0, 3.0])
+
+    def wrong(step, pool):
+        out = torch.empty(3)
+        return (lambda: out.copy_(step() + 0.5)), out, pool
+
+    runner = graph_step.GraphedStep(lambda: value * 2, capture=wrong)
+    with caplog.at_level(logging.WARNING, logger=graph_step.__name__):
+        assert runner(8).tolist() == [2.0, 4.0, 6.0]  # the eager step's logits
+        assert runner(8).tolist() == [2.0, 4.0, 6.0] and runner.captured == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "differed from the eager step" in lines[0]
+    assert "largest difference 0.5" in lines[0]
+    assert kernels.graph_runner(torch.device("cuda")) is None  # off for the process
+    assert kernels.describe()["decode_graph"].startswith("eager (a replay of bucket 8")
+    # a replay within float32's rounding of the eager step is kept
+    monkeypatch.setattr(graph_step, "DISTRUSTED", None)
+    assert graph_step.disagreement(value * (1 + 1e-7), value) is None
+    assert graph_step.disagreement(value.bfloat16() + 0.001, value.bfloat16()) is None

@@ -10,9 +10,13 @@ captured largest first, as they are met).
 
 The capture (`capture`) is the one part CPUs cannot run: the tests run `GraphedStep` with the
 capture replaced by a trace of the step that each replay reruns (tests/unit/test_static_decode.py),
-and `benchmarks/gpu_equivalence.py` checks the graphed decode against the eager one on a GPU. A step that cannot be captured (an operation that waits for the
-host, say, in a model's own module) runs eagerly, with one log line. `MOGRPO_DECODE_GRAPH=0`
-turns the graphs off: the native engine's eager step runs.
+and `benchmarks/gpu_equivalence.py` checks the graphed decode against the eager one on a GPU.
+At run time each bucket's first step runs eagerly too, and the graph's first replay must give
+the same logits: a replay that differs turns the graphs off for the rest of the process, with
+one warning (a wrong graph would sample from another distribution without a sound). A step that
+cannot be captured (an operation that waits for the host, say, in a model's own module) runs
+eagerly, with one log line. `MOGRPO_DECODE_GRAPH=0` turns the graphs off: the native engine's
+eager step runs.
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ Capture = Callable[[Callable[[], Tensor], object], tuple[Callable[[], object], T
 
 
 def disabled() -> bool:
-    """Whether MOGRPO_DECODE_GRAPH switches the graphs off."""
-    return os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
+    """Whether MOGRPO_DECODE_GRAPH switches the graphs off, or a replay that differed from the
+    eager step did (`distrust`)."""
+    return DISTRUSTED is not None or \
+        os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
 
 
 def status() -> str:
     """Which decode step a CUDA rollout runs, for `mogrpo doctor env`."""
+    if DISTRUSTED is not None:
+        return f"eager ({DISTRUSTED})"
     if disabled():
         return f"eager ({ENV}={os.environ[ENV]})"
     return "CUDA graphs, one per bucket of rows (captured at a rollout's first steps)"
@@ -89,18 +97,57 @@ class GraphedStep:
         return list(self.graphs)
 
     def __call__(self, bucket: int) -> Tensor:
-        if self.failed is not None:
+        if self.failed is not None or DISTRUSTED:
             return self.step()
         found = self.graphs.get(bucket)
         if found is None:
-            try:
-                replay, out, self.pool = self.capture(self.step, self.pool)
-            except RuntimeError as err:
-                self.failed = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-                logger.warning("the decode step could not be captured as a CUDA graph (%s): "
-                               "it runs eagerly for the rest of this rollout", self.failed)
-                return self.step()
-            found = self.graphs[bucket] = (replay, out)
+            return self._first(bucket)
         replay, out = found
-        replay()  # a capture runs nothing: the first step of a bucket is a replay too
+        replay()
         return out
+
+    def _first(self, bucket: int) -> Tensor:
+        """A bucket's first step: the eager step, then the capture, whose first replay must
+        give the eager step's logits (the step is idempotent: same inputs, same column)."""
+        expected = self.step().clone()
+        try:
+            replay, out, self.pool = self.capture(self.step, self.pool)
+        except RuntimeError as err:
+            self.failed = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            logger.warning("the decode step could not be captured as a CUDA graph (%s): "
+                           "it runs eagerly for the rest of this rollout", self.failed)
+            return expected
+        replay()  # a capture runs nothing: the first step of a bucket is a replay too
+        wrong = disagreement(out, expected)
+        if wrong is not None:
+            distrust(f"a replay of bucket {bucket} differed from the eager step ({wrong})")
+            self.failed = DISTRUSTED
+            return expected
+        self.graphs[bucket] = (replay, out)
+        return out
+
+
+DISTRUSTED: str | None = None
+"""Why this process stopped replaying graphs (a replay that differed from the eager step)."""
+
+
+def distrust(reason: str) -> None:
+    """Turn the graphs off for the rest of the process, with one warning."""
+    global DISTRUSTED
+    DISTRUSTED = reason
+    logger.warning("CUDA-graphed decode off for the rest of this process: %s; the eager step "
+                   "runs (please report this with `mogrpo doctor env`)", reason)
+
+
+def disagreement(out: Tensor, expected: Tensor) -> str | None:
+    """None where a replay's logits equal the eager step's (to float32's or, in 16-bit dtypes,
+    to 1e-3 of the largest logit: kernels may pick other reduction orders in a graph); else
+    the largest difference."""
+    if out.shape != expected.shape:
+        return f"shape {tuple(out.shape)} against {tuple(expected.shape)}"
+    scale = float(expected.float().abs().nan_to_num(posinf=0, neginf=0).max().clamp(min=1))
+    tol = 1e-5 * scale if out.dtype == torch.float32 else 1e-3 * scale
+    diff = (out.float() - expected.float()).abs().nan_to_num(nan=float("inf"))
+    both = out.float().isnan() & expected.float().isnan()
+    worst = float(diff.masked_fill(both | (out == expected), 0).max()) if diff.numel() else 0.0
+    return None if worst <= tol else f"largest difference {worst:.3g}, allowed {tol:.3g}"
