@@ -73,9 +73,9 @@ def decode_step(request, monkeypatch):
     return request.param, ran
 
 
-def sample(model, tok, settings: SamplingSettings, **options):
+def sample(model, tok, settings: SamplingSettings, engine: str = "native", **options):
     return generate_rollout(model, tok, PROMPTS, settings, num_generations=K,
-                            max_prompt_length=16, engine="native", generator_seed=7, **options)
+                            max_prompt_length=16, engine=engine, generator_seed=7, **options)
 
 
 def settings_of(tok, **flags) -> SamplingSettings:
@@ -113,6 +113,13 @@ def test_native_samples_the_models_distribution_at_every_position(case, trained,
     result = fit_of(trained, tok, ro, settings)
     assert result.tokens > 8000 and result.positions >= 10
     assert result.failures() == []
+
+
+def test_generate_passes_the_same_check(trained, tok):
+    """The control: generate(), the reference engine, sampled from the same distribution."""
+    flags, _ = CASES["penalties"]
+    settings = settings_of(tok, **flags)
+    assert fit_of(trained, tok, sample(trained, tok, settings, "hf"), settings).failures() == []
 
 
 def _sharper(call):
