@@ -18,19 +18,20 @@ the u of all (row, position) pairs that were sampled are i.i.d. Uniform(0, 1). T
 by probability gives the transform its power: a sampler that is too sharp (temperature too
 low, a nucleus too small) puts u near 0, one too flat near 1.
 
-Four statistics, each tested at `ALPHA` (so a correct sampler fails a check with probability
-at most 4 x ALPHA; the tests fix every seed, so a run is deterministic):
+A check of the support and four statistics, each tested at `ALPHA` (so a correct sampler fails
+with probability at most 4 x ALPHA; the tests fix every seed, so a run is deterministic):
 
 - `outside`: tokens drawn where the reference gives probability 0 (top-k, top-p, min-p cut
-  them): must be none;
+  them): must be none (a correct sampler draws none);
 - `temperature_z`: the score test for the temperature, sum(log p(x) + H(p)) / sqrt(sum
   Var_p(log p)), the locally most powerful test against p^(1/T) for T near 1; approximately
   N(0, 1) (a martingale's central limit); two-sided;
 - `pooled_p`: chi-square of the u over `BINS` equal bins, all positions pooled;
 - `positions_p`: chi-square of the u over `POSITION_BINS` bins at each position with at least
   `POSITION_MIN` tokens, summed over positions (degrees of freedom added), so a bias at some
-  positions cannot hide behind the others; and `worst_position_p`, the smallest of those
-  per-position p-values, against ALPHA / positions (Bonferroni).
+  positions cannot hide behind the others;
+- `worst_position_p`: the smallest of those per-position p-values, against ALPHA / positions
+  (Bonferroni), so a bias at one position shows.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The native engine draws every token from the model's own next-token distribution, at every
 position and not only the first: thousands of completions of a briefly trained model, tested
 against its teacher-forced distribution after generate()'s processors (`tests/sampling_fit.py`:
-the exact test, its four statistics and their level), with stop ids that end rows at different
+the exact test, its statistics and their level), with stop ids that end rows at different
 steps, penalties, temperature, top-k, top-p and min-p, on the compiled decode step and the
 Python one; the same test rejects samplers with small, plausible biases; and the log-probs the
 sampler records are the training forward's."""
