@@ -24,7 +24,6 @@ from mogrpo.rollout.generate import Rollout
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 MASK = "env_mask"
-_MISSING = object()
 
 
 class RolloutFuncError(RewardError):
@@ -69,10 +68,10 @@ def extra_fields(output: dict[str, Any], rows: int, where: str) -> list[dict[str
     for key in keys:
         values = output[key]
         for i, row in enumerate(per_row):
-            value = values[i] if isinstance(values, list) and i < len(values) else \
-                _MISSING if isinstance(values, list) else values
-            if value is not _MISSING:
-                row[key] = value
+            if not isinstance(values, list):
+                row[key] = values
+            elif i < len(values):
+                row[key] = values[i]
     return per_row
 
 
