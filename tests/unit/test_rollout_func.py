@@ -128,3 +128,64 @@ def test_a_malformed_output_names_the_key_and_the_fix(tiny_policy):
     assert ro.lengths.tolist() == [8, 1] and ro.truncated.tolist() == [True, 2 != tok.eos_token_id]
     assert ro.sampler_logp[0].tolist() == [-0.5, 0.0] * 4
     assert ro.prompt_ids[0].tolist()[-1] == 1 and ro.prompt_mask.tolist() == [[0, 1], [1, 1]]
+
+
+def with_fields(prompts: list, trainer) -> dict:
+    """`two_turns` plus extra keys, as a TRL rollout_func returns them: a per-row list, a
+    value for every row, and a list that covers only the first row and names a data column."""
+    out = two_turns(prompts, trainer)
+    out["seen_by_env"] = [f"row {i}" for i in range(len(prompts))]
+    out["server"] = {"name": "sim", "version": 3}
+    out["topic"] = ["from the rollout"]
+    return out
+
+
+def fields_reward(prompts, completions, seen_by_env, server, topic, **kwargs) -> list[float]:
+    SEEN.update(reward_kwargs={"seen_by_env": seen_by_env, "server": server, "topic": topic,
+                               "env_mask given": "env_mask" in kwargs})
+    return [float(s.endswith(("0", "2"))) for s in seen_by_env]
+
+
+def test_a_rollout_func_s_other_keys_reach_the_reward_functions_as_in_trl(tmp_path,
+                                                                           tiny_model_dir):
+    from mogrpo.modeling.reference import make_reference
+    from mogrpo.tasks.task import load_tasks
+    from mogrpo.trainer.grpo import GRPOTrainer
+    from mogrpo.trainer.run import build_context, seed_everything
+
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}],
+                                        "topic": f"column {i}"}) + "\n" for i in range(8)))
+    config = _config(tmp_path, tiny_model_dir, rollout_func=with_fields, data=str(data),
+                     rewards=[fields_reward])
+    seed_everything(0)
+    ctx = build_context(config, load_tasks(config))
+    trainer = GRPOTrainer(ctx, make_reference(ctx.policy, needed=True))
+    picks = trainer.draw_prompts()
+    batch = trainer.score(picks, trainer.generate(picks))
+
+    kwargs = SEEN["reward_kwargs"]
+    # a list: row i its item i; anything else: every row; env_mask is the mask, not a field
+    assert kwargs["seen_by_env"] == [f"row {i}" for i in range(4)]
+    assert kwargs["server"] == [{"name": "sim", "version": 3}] * 4
+    assert kwargs["env_mask given"] is False
+    # the field takes the column's place; rows the list does not reach keep the column's value
+    columns = [ex.columns["topic"] for _, ex in picks for _ in range(2)]
+    assert kwargs["topic"] == ["from the rollout", *columns[1:]]
+    assert batch.rewards[0][:, 0].tolist() == [1.0, 0.0]  # rows 0, 1 of group 0
+    assert batch.rewards[1][:, 0].tolist() == [1.0, 0.0]  # rows 2, 3 of group 1
+
+
+def test_extra_fields_follow_trl_and_refuse_the_trainer_s_own_names():
+    from mogrpo.rollout.custom import RolloutFuncError, extra_fields
+
+    required = {"prompt_ids": [[1]] * 3, "completion_ids": [[2]] * 3, "logprobs": [[0.0]] * 3,
+                "env_mask": [[1]] * 3}
+    assert extra_fields(required, 3, "f") is None
+    rows = extra_fields({**required, "score": [0.5, 1.5, 2.5], "meta": (1, 2),
+                         "short": ["a"], "empty": []}, 3, "f")
+    assert rows == [{"score": 0.5, "meta": (1, 2), "short": "a"},
+                    {"score": 1.5, "meta": (1, 2)}, {"score": 2.5, "meta": (1, 2)}]
+    with pytest.raises(RolloutFuncError, match="returned key 'trainer_state', a name the "
+                                               "trainer itself passes"):
+        extra_fields({**required, "trainer_state": [1, 2, 3]}, 3, "tasks.env.rollout_func")

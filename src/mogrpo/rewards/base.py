@@ -306,11 +306,12 @@ def check_positional_only(fn: Callable[..., Any], spec: str) -> None:
 
 
 def check_reward_call(label: str, fn: Callable[..., Any], kwargs: dict[str, Any],
-                      columns: list[str], where: str) -> None:
+                      columns: list[str], where: str, fields_open: bool = False) -> None:
     """Fail before training on a function that cannot take the call: a required parameter
     that nothing fills, or a `kwargs` key it cannot receive or that hides a passed argument.
 
-    `columns` are the task's data columns; `where` names the reward in the config.
+    `columns` are the task's data columns; `where` names the reward in the config;
+    `fields_open`: a `rollout_func` may fill any parameter (its extra keys), so none is missing.
     """
     check_positional_only(fn, label)
     passed = [*TRAINER_ARGUMENTS, *EXTRA_ARGUMENTS]
@@ -332,7 +333,7 @@ def check_reward_call(label: str, fn: Callable[..., Any], kwargs: dict[str, Any]
             )
     available = {*passed, *columns, *kwargs}
     missing = [name for name in plan.required if name not in available]
-    if missing:
+    if missing and not fields_open:
         named = [n for n in plan.names if n in ("prompts", "completions", "completion_ids")]
         hint = (" Reward functions are called by keyword, as in TRL: name the parameters "
                 "`prompts` and `completions` (or take **kwargs)." if not named else "")

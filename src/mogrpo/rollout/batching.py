@@ -29,6 +29,8 @@ def select_groups(rollout: Rollout, groups: list[int]) -> Rollout:
         generated_mask=(rollout.generated_mask[index] if rollout.generated_mask is not None
                         else None),
         episodes=[rollout.episodes[r] for r in rows] if rollout.episodes is not None else None,
+        extra_fields=([rollout.extra_fields[r] for r in rows]
+                      if rollout.extra_fields is not None else None),
     )
 
 
@@ -63,6 +65,8 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
                         if any(r.generated_mask is not None for r in parts) else None),
         episodes=([e for r in parts for e in (r.episodes or [None] * r.batch_size)]
                   if any(r.episodes is not None for r in parts) else None),
+        extra_fields=([e for r in parts for e in (r.extra_fields or [{}] * r.batch_size)]
+                      if any(r.extra_fields is not None for r in parts) else None),
     )
 
 

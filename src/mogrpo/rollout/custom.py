@@ -5,7 +5,9 @@ prompt per completion (each prompt K times) and takes back a dict of lists, one 
 prompt: `prompt_ids`, `completion_ids` and `logprobs` (required), `env_mask` (optional: 1 on
 the tokens the policy sampled, 0 on those an environment inserted), other keys forwarded to
 the reward functions. mogrpo takes the same dict: `env_mask` becomes `generated_mask`, so only
-the policy's own tokens train, as in an episode of `mogrpo.rollout.episodes`.
+the policy's own tokens train, as in an episode of `mogrpo.rollout.episodes`; every other key
+reaches the reward functions by keyword as TRL passes it (`extra_fields`): a list gives row i
+its i-th value, anything else is given to every row.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from mogrpo.data.schema import RESERVED_COLUMNS
 from mogrpo.errors import RewardError
 from mogrpo.rollout.generate import Rollout
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
+MASK = "env_mask"
+_MISSING = object()
 
 
 class RolloutFuncError(RewardError):
@@ -49,6 +54,28 @@ def _check(output: Any, rows: int, where: str) -> None:
                                        f"for {len(ids)} completion tokens; give one per token")
 
 
+def extra_fields(output: dict[str, Any], rows: int, where: str) -> list[dict[str, Any]] | None:
+    """Per row, the output's other keys with that row's value, as TRL merges its
+    `extra_fields` into each row's inputs: a list gives row i its item i (a row past the end of
+    the list gets none), any other value goes to every row. None without such keys."""
+    keys = [k for k in output if k not in REQUIRED and k != MASK]
+    clash = [k for k in keys if k in (*RESERVED_COLUMNS, "environments")]
+    if clash:
+        raise RolloutFuncError(f"{where} returned key {clash[0]!r}, a name the trainer itself "
+                               "passes to every reward function; rename that key")
+    if not keys:
+        return None
+    per_row: list[dict[str, Any]] = [{} for _ in range(rows)]
+    for key in keys:
+        values = output[key]
+        for i, row in enumerate(per_row):
+            value = values[i] if isinstance(values, list) and i < len(values) else \
+                _MISSING if isinstance(values, list) else values
+            if value is not _MISSING:
+                row[key] = value
+    return per_row
+
+
 def _rows(values: Sequence[Sequence[float]], width: int, fill: float,
           dtype: torch.dtype, left: bool = False) -> torch.Tensor:
     """[len(values), width] with each row's values, padded with `fill` on the right (left)."""
@@ -69,7 +96,8 @@ def rollout_from_output(output: Any, tokenizer: PreTrainedTokenizerBase, *,
                         device: torch.device, where: str = "rollout_func") -> Rollout:
     """The `Rollout` of a `rollout_func`'s dict. A completion longer than
     `max_completion_length` is cut there; one with no stop id counts as truncated; `logprobs`
-    become the sampler's log-probs (where `record_logprobs`), 0 on inserted tokens."""
+    become the sampler's log-probs (where `record_logprobs`), 0 on inserted tokens; the other
+    keys are the rollout's `extra_fields`."""
     _check(output, rows, where)
     completions = [list(ids)[:max_completion_length] for ids in output["completion_ids"]]
     n = [len(ids) for ids in completions]
@@ -97,4 +125,4 @@ def rollout_from_output(output: Any, tokenizer: PreTrainedTokenizerBase, *,
         lengths=lengths.to(device), truncated=truncated.to(device), texts=texts,
         num_generations=num_generations,
         sampler_logp=sampler.to(device) if record_logprobs else None,
-        generated_mask=generated.to(device))
+        generated_mask=generated.to(device), extra_fields=extra_fields(output, rows, where))

@@ -73,6 +73,10 @@ class Rollout:
     episodes: list[Any] | None = None
     """Per row: what its episode did (`mogrpo.rollout.episodes.Episode`: turns, tool calls,
     its environment), None for a single-turn row; None when no row has an episode."""
+    extra_fields: list[dict[str, Any]] | None = None
+    """Per row: the keys a task's `rollout_func` returned besides the ids, log-probs and
+    env_mask, with this row's value (TRL's `extra_fields`, given to the reward functions);
+    None when no row has any."""
 
     @property
     def train_mask(self) -> torch.Tensor:

@@ -93,6 +93,24 @@ def environments_of(rollout: Rollout, rows: list[int]) -> list[Any]:
             for r in rows]
 
 
+def reward_extras(task: Task, rollout: Rollout, rows: list[int], examples: list[Example]
+                  ) -> dict[str, list] | None:
+    """What an agent task's reward functions get besides the data's columns, one value per
+    row of `rows` (`examples`: each row's example): `environments`, and the keys its
+    `rollout_func` returned (TRL's `extra_fields`, which take the place of a column of the same
+    name; a row the function gave no value keeps its column's, else None)."""
+    if task.agent is None:
+        return None
+    extras: dict[str, list] = {}
+    if task.agent.environments:
+        extras["environments"] = environments_of(rollout, rows)
+    fields = [rollout.extra_fields[r] for r in rows] if rollout.extra_fields is not None else []
+    for key in dict.fromkeys(k for row in fields for k in row):
+        extras[key] = [row[key] if key in row else ex.columns.get(key)
+                       for row, ex in zip(fields, examples, strict=True)]
+    return extras or None
+
+
 def agent_metrics(tasks: list[Task], rollout: Rollout, task_ids: torch.Tensor
                   ) -> dict[str, float]:
     """Per agent task: turns, tokens sampled and inserted per episode; per tool its calls per

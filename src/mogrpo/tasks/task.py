@@ -127,7 +127,9 @@ def load_tasks(config: RunConfig) -> list[Task]:
         if agent is not None and agent.environments:
             columns.append("environments")  # each rollout's environment, as TRL passes it
         for i, (label, fn, kwargs) in enumerate(fns):
-            check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}")
+            # a rollout_func may return any field its rewards take (TRL's extra_fields)
+            check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}",
+                              fields_open=agent is not None and agent.rollout_func is not None)
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         for label, fn in agent.rewards() if agent is not None else []:

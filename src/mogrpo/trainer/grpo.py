@@ -29,7 +29,7 @@ from mogrpo.rollout.batching import (
     select_groups,
 )
 from mogrpo.rollout.generate import Rollout, generate_rollout
-from mogrpo.tasks.agent_rollout import agent_metrics, agent_rollout, environments_of
+from mogrpo.tasks.agent_rollout import agent_metrics, agent_rollout, reward_extras
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -167,14 +167,14 @@ class GRPOTrainer(UpdatePhases):
             if not groups:
                 continue
             rows = [g * K + k for g in groups for k in range(K)]
+            examples = [picks[g][1] for g in groups for _ in range(K)]
             log = RewardLog()
             values = score_examples(
-                task.reward_fns, [picks[g][1] for g in groups for _ in range(K)],
+                task.reward_fns, examples,
                 [rollout.texts[r] for r in rows], rollout.completion_ids[rows],
                 [lengths[r] for r in rows], [truncated[r] for r in rows],
                 trainer_state=self._trainer_state(t), log=log,
-                extra_columns=({"environments": environments_of(rollout, rows)}
-                               if task.agent is not None and task.agent.environments else None),
+                extra_columns=reward_extras(task, rollout, rows, examples),
             )  # [n*K, J]
             logged = _per_row(log.extra, len(rows), task.name)
             for i, g in enumerate(groups):
