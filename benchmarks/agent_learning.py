@@ -76,21 +76,25 @@ def seed_result(seed: int, run: Path, every: int) -> dict:
         evals[record["tag"]] = {"correct": record[TASK]["score"],
                                 "tool_call_frac": record[TASK].get("tool_call_frac")}
     sft = [json.loads(line) for line in (run / "sft_metrics.jsonl").read_text().splitlines()]
+    health = json.loads((run / "summary.json").read_text()).get("health") or []
+    alerts = sorted({f"{a['check']} (step {a['step']})" for a in health})
     return {"seed": seed, "curve": curve, "before": evals["start"], "after": evals["end"],
-            "sft_final_loss": sft[-1]["sft/loss"]}
+            "sft_final_loss": sft[-1]["sft/loss"], "alerts": alerts,
+            "kl_max": max(r.get(f"task/{TASK}/kl", 0.0) for r in steps)}
 
 
 def to_markdown(results: list[dict]) -> str:
-    lines = ["| seed | correct answer, after SFT → after GRPO | called the tool | "
-             "wall / CPU time |", "|---|---|---|---|"]
+    lines = ["| seed | correct answer, after SFT → after GRPO | called the tool | highest KL "
+             "| health alerts | wall / CPU time |", "|---|---|---|---|---|---|"]
     for r in results:
         b, a = r["before"], r["after"]
         lines.append(f"| {r['seed']} | {b['correct']:.3f} → **{a['correct']:.3f}** | "
                      f"{b['tool_call_frac']:.3f} → {a['tool_call_frac']:.3f} | "
+                     f"{r['kl_max']:.3f} | {', '.join(r['alerts']) or 'none'} | "
                      f"{r['wall_s'] / 60:.1f} / {r['cpu_s'] / 60:.1f} min |")
     gains = [r["after"]["correct"] - r["before"]["correct"] for r in results]
     lines.append(f"| mean gain | {statistics.fmean(gains):+.3f} "
-                 f"({min(gains):+.3f} to {max(gains):+.3f}) | | |")
+                 f"({min(gains):+.3f} to {max(gains):+.3f}) | | | | |")
     lines += ["", "Reward curve: the mean over each window of GRPO steps (64 episodes a step) "
               "of the episode reward (correct + 0.5 × right call), of each objective, and of "
               "the calculator calls per episode.", ""]
@@ -119,11 +123,11 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="config override for every run")
     args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip() or "unknown"  # what runs
     times = run_all(args.seeds, args.work.resolve(), args.overrides, args.jobs)
     results = [{**seed_result(s, args.work / f"run-seed{s}", args.every), **times[s]}
                for s in args.seeds]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip() or "unknown"
     command = (f"python benchmarks/agent_learning.py --seeds {' '.join(map(str, args.seeds))} "
                f"--jobs {args.jobs}" + "".join(f" --set {o}" for o in args.overrides))
     table = to_markdown(results)
