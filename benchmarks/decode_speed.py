@@ -12,7 +12,10 @@ every row decodes the full budget and the engines do the same number of tokens.
 batch with the same weights; on a copy of the model, so the first arm packs at every call).
 Where the native engine runs its compiled CPU decode step (`kernels/cpu/decode_step.py`), a fourth
 arm runs the native engine with the Python step instead, packing per call: the compiled step's
-own speed-up.
+own speed-up. On CUDA, where the native engine replays its decode step from CUDA graphs
+(`kernels/cuda/graph_step.py`, one capture per bucket of rows and rollout, counted in the
+time), a fourth arm runs it with the eager step instead (MOGRPO_DECODE_GRAPH=0), packing per
+call: the graphs' own speed-up.
 
     python benchmarks/decode_speed.py                     # all sizes, 5 repeats
     python benchmarks/decode_speed.py --sizes small --repeats 3
@@ -37,16 +40,19 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from mogrpo.kernels.cpu import decode_step as cpu_kernel
 from mogrpo.kernels.cpu.host_memory import keep_freed_memory
 from mogrpo.kernels.cpu.linear import cpu_name
+from mogrpo.kernels.cuda import graph_step
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 from mogrpo.rollout.projections import held_projections
 
@@ -62,11 +68,19 @@ ARMS = ("hf", "native", "held")  # generate(); native packing per call; native, 
 # on a CPU where the native engine runs its compiled decode step: native packing per call, with
 # the step as PyTorch operations instead (MOGRPO_DECODE_KERNEL=0)
 PYTHON_ARM = "python-step"
+# on CUDA: native packing per call, with the eager decode step instead of the graphed one
+# (MOGRPO_DECODE_GRAPH=0)
+EAGER_ARM = "eager-step"
 
 
 @contextlib.contextmanager
 def arm_context(arm: str):
-    """The Python decode step for PYTHON_ARM; nothing for the others."""
+    """The Python decode step for PYTHON_ARM, the eager CUDA step for EAGER_ARM; nothing for
+    the others."""
+    if arm == EAGER_ARM:
+        with mock.patch.dict(os.environ, {graph_step.ENV: "0"}):
+            yield
+        return
     if arm != PYTHON_ARM:
         yield
         return
@@ -121,12 +135,17 @@ def main() -> None:
     host_memory = "keep" if keep_freed_memory() is None else "C library defaults"
     rows = []
     compiled = args.device == "cpu" and cpu_kernel.module() is not None
-    arms = (*ARMS, PYTHON_ARM) if compiled else ARMS
+    graphed = args.device == "cuda" and not graph_step.disabled()
+    # the native engine's own step against its fallback: compiled / Python, graphed / eager
+    extra = PYTHON_ARM if compiled else EAGER_ARM if graphed else None
+    step_ratio = "compiled_step_ratio" if compiled else "graph_step_ratio"
+    arms = (*ARMS, extra) if extra else ARMS
     for size, model, tok in workload.loaded_models(args.sizes, arch=args.arch):
         model.to(args.device)
         held_model = copy.deepcopy(model)  # its projections are held; `model`'s are not
         models = {"hf": (model, "hf"), "native": (model, "native"),
-                  "held": (held_model, "native"), PYTHON_ARM: (model, "native")}
+                  "held": (held_model, "native"), PYTHON_ARM: (model, "native"),
+                  EAGER_ARM: (model, "native")}
         with held_projections(held_model):
             for arm in arms:  # warm-up, not recorded
                 with arm_context(arm):
@@ -143,13 +162,13 @@ def main() -> None:
         row = {"size": size, "parameters": model.num_parameters(),
                "batch": args.prompts * args.k, "new_tokens": args.new_tokens}
         pairs = [("native", "hf"), ("held", "hf")]
-        if compiled:  # the compiled step against the Python step, both packing per call
-            pairs.append(("native", PYTHON_ARM))
+        if extra:  # the engine's step against its fallback, both packing per call
+            pairs.append(("native", extra))
         for name, rates in (("", runs), ("cpu_", cpu)):
             for arm in arms:
                 row[f"{arm}_tokens_per_{name or 'wall_'}s"] = statistics.median(rates[arm])
             for arm, base in pairs:
-                key = f"{name}{arm}_ratio" if base == "hf" else f"{name}compiled_step_ratio"
+                key = f"{name}{arm}_ratio" if base == "hf" else f"{name}{step_ratio}"
                 ratios = [n / h for n, h in zip(rates[arm], rates[base], strict=True)]
                 row[key] = statistics.median(ratios)
                 row[f"{key}_min"], row[f"{key}_max"] = min(ratios), max(ratios)
@@ -159,19 +178,23 @@ def main() -> None:
               f"{row['native_tokens_per_cpu_s']:.0f} (x{row['cpu_native_ratio']:.2f}), held "
               f"{row['held_tokens_per_cpu_s']:.0f} (x{row['cpu_held_ratio']:.2f})"
               + (f", compiled / Python step x{row['cpu_compiled_step_ratio']:.2f}"
-                 if compiled else ""))
+                 if compiled else "")
+              + (f", by wall time graphed / eager step x{row['graph_step_ratio']:.2f}"
+                 if graphed else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
             "cpu": cpu_name(), "host_memory": host_memory, "device": args.device,
             "arch": args.arch,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-            "decode_step": "compiled" if compiled else "Python"}
+            "decode_step": "compiled" if compiled else "CUDA graphs" if graphed else
+            "Python" if args.device == "cpu" else "eager"}
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| size | parameters | batch × tokens | generate() tok/s (CPU) | native tok/s (CPU), "
              "packing per call | native / generate by CPU time | native tok/s (CPU), weights "
              "held | held / generate by CPU time | by wall time: native / generate, held / "
-             "generate |" + (" compiled step / Python step by CPU time |" if compiled else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "")]
+             "generate |" + (" compiled step / Python step by CPU time |" if compiled else "")
+             + (" graphed step / eager step by wall time |" if graphed else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
     for r in rows:
         lines.append(
             f"| {r['size']} | {r['parameters'] / 1e6:.2f} M | {r['batch']} × {r['new_tokens']} "
@@ -181,7 +204,9 @@ def main() -> None:
             f"**{r['cpu_held_ratio']:.2f}×** ({r['cpu_held_ratio_min']:.2f}–"
             f"{r['cpu_held_ratio_max']:.2f}) | {r['native_ratio']:.2f}×, {r['held_ratio']:.2f}× |"
             + (f" {r['cpu_compiled_step_ratio']:.2f}× ({r['cpu_compiled_step_ratio_min']:.2f}–"
-               f"{r['cpu_compiled_step_ratio_max']:.2f}) |" if compiled else ""))
+               f"{r['cpu_compiled_step_ratio_max']:.2f}) |" if compiled else "")
+            + (f" **{r['graph_step_ratio']:.2f}×** ({r['graph_step_ratio_min']:.2f}–"
+               f"{r['graph_step_ratio_max']:.2f}) |" if graphed else ""))
     gpu = f"GPU: {meta['gpu']} (read the wall-time column); " if meta["gpu"] else ""
     family = {"qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma", "llama": "Llama"}[args.arch]
     lines.append(f"\n{family} models of the vs_trl shapes. "
@@ -193,7 +218,12 @@ def main() -> None:
                  "eval and `serve` (`held_projections`)." + (
                      " Native decode step compiled (`kernels/cpu/decode_step.py`); the Python step: "
                      "the same engine with it off (MOGRPO_DECODE_KERNEL=0), packing per call."
-                     if compiled else " Native decode step: the Python step."))
+                     if compiled else
+                     " Native decode step replayed from CUDA graphs (`kernels/cuda/graph_step.py`, "
+                     "captures counted in the time); the eager step: the same engine with them "
+                     "off (MOGRPO_DECODE_GRAPH=0), packing per call." if graphed else
+                     " Native decode step: the Python step." if args.device == "cpu" else
+                     " Native decode step: eager."))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

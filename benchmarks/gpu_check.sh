@@ -4,9 +4,11 @@
 #   benchmarks/gpu_check.sh OUT_DIR [SECONDS]
 #
 # 1. gpu_equivalence.py: the native engine against generate() on the GPU (greedy completions and
-#    log-probs for six families in fp32, bf16 agreement, LoRA, the sampling distribution);
+#    log-probs for six families in fp32, bf16 agreement, LoRA, the sampling distribution), and
+#    its CUDA-graphed decode against its eager one (captures per bucket, rows leaving);
 # 2. gpu_smoke.py --engines native hf: a short `mogrpo train` with each engine;
-# 3. decode_speed.py --device cuda: tokens/s of native against generate() at 128 rows;
+# 3. decode_speed.py --device cuda: tokens/s of native against generate() at 128 rows, and of
+#    the graphed decode step against the eager one (MOGRPO_DECODE_GRAPH=0);
 # 4. rollout_profile.py --train: the rollouts inside `mogrpo train` (the smoke test's bf16 model)
 #    timed and profiled, native without and with cuDNN's attention kernel, and generate();
 #    their timings go to the log, their profiles to a scratch folder;
@@ -52,10 +54,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, report how it ended
     echo "== $name: exit $?, $(( SECONDS - t0 )) s"
 }
 
-step equivalence 90 "$py" benchmarks/gpu_equivalence.py --out "$out/gpu_equivalence"
+step equivalence 120 "$py" benchmarks/gpu_equivalence.py --out "$out/gpu_equivalence"
 step smoke 120 "$py" benchmarks/gpu_smoke.py --engines native hf --steps 6 \
     --work "$work/gpu-smoke" --out "$out/gpu_smoke.json"
-step decode 120 "$py" benchmarks/decode_speed.py --device cuda --sizes small large xl \
+step decode 150 "$py" benchmarks/decode_speed.py --device cuda --sizes small large xl \
     --prompts 16 --k 8 --repeats 3 --out "$out/decode_speed_gpu"
 profile_rollouts() {  # each run's timing line; its profile and log stay in the scratch folder
     local dir=$work/rollout-profile args name

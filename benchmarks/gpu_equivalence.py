@@ -13,7 +13,15 @@ random models with grouped-query attention and spread-out logits, as in the unit
 - LoRA (merged into the sampler's weights, dropout on in the module): sampled log-probs
   against the training forward, fp32;
 - the first-token distribution of 3,000 samples per engine (top-k 8): chi-square, 7 degrees of
-  freedom, below 18.48 (the 1 % level).
+  freedom, below 18.48 (the 1 % level);
+- the native engine's graphed decode (static steps replayed from CUDA graphs, what it runs on
+  CUDA) against its eager decode (MOGRPO_DECODE_GRAPH=0), per family, with buckets down to one
+  row so that rows leaving move the decode through several captured graphs: fp32 greedy
+  completions equal and log-probs within 1e-5, sampled completions (top-k, top-p, penalties)
+  equal from one seed; no capture may fail. bf16: token agreement and log-prob gap, reported.
+
+On a CUDA device the native engine runs the graphed decode by default, so the checks against
+`generate()` above check it too.
 
 Writes OUT.json and OUT.md; exits 1 if an fp32 check fails. `--device cpu` runs the same checks
 here (what the unit tests already assert).
@@ -22,24 +30,32 @@ here (what the unit tests already assert).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 import transformers
 from transformers import AutoTokenizer
 
+from mogrpo import kernels
 from mogrpo.algo.logprobs import completion_logprobs
+from mogrpo.kernels.cuda import graph_step
 from mogrpo.modeling.load import LoraSettings, apply_lora
 from mogrpo.modeling.tiny import NATIVE_FAMILIES, build_tiny_model, random_family_model
+from mogrpo.rollout import static_decode
 from mogrpo.rollout.generate import SamplingSettings, generate_rollout
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["the cat sat on", "答案 因为 the question", "a", "option A B because the context says"]
 FAMILIES = list(NATIVE_FAMILIES)
 LOGP_ATOL = 1e-4
+GRAPH_LOGP_ATOL = 1e-5  # graphed against eager native decode, fp32: the same arithmetic
 CHI2_LIMIT = 18.48  # chi-square 0.99 quantile, 7 degrees of freedom
 
 
@@ -127,6 +143,94 @@ def distribution_check(tok, device: str) -> dict:
     return {"tokens_used": int(used.sum()), "chi2": chi2}
 
 
+def direct_capture(step, pool):
+    """`graph_step.capture` without a GPU (`--device cpu`): a replay calls the step and refreshes
+    one output tensor, so the graphed decode's bookkeeping runs, and is checked, here too."""
+    out = step().clone()
+    return (lambda: out.copy_(step())), out, pool
+
+
+@contextlib.contextmanager
+def graphs(on: bool, runners: list):
+    """The native engine with its CUDA graphs on (each runner it makes appended to `runners`,
+    buckets down to one row) or off (MOGRPO_DECODE_GRAPH=0: the eager step)."""
+    if not on:
+        with mock.patch.dict(os.environ, {graph_step.ENV: "0"}):
+            yield
+        return
+    real = kernels.graph_runner
+
+    def recording(device):
+        maker = real(device)
+        if maker is None and device.type == "cpu":  # --device cpu: replays call the step
+            maker = functools.partial(graph_step.GraphedStep, capture=direct_capture)
+        if maker is None:
+            return None
+
+        def make(step):
+            runners.append(maker(step))
+            return runners[-1]
+        return make
+
+    with mock.patch.dict(os.environ, {graph_step.ENV: "1"}), \
+            mock.patch.object(kernels, "graph_runner", recording), \
+            mock.patch.object(static_decode, "SMALLEST_BUCKET", 1):
+        yield
+
+
+def graph_check(family: str, tok, device: str, dtype: torch.dtype) -> dict:
+    """The graphed native decode against the eager one (see the module docstring)."""
+    model = family_model(family, tok, device, dtype)
+    runners: list = []
+    with graphs(False, runners):
+        first = rollout(model, tok, "native", k=4, greedy=True, max_new_tokens=10)
+    # a token of each group's greedy rows at step 2, 3, ...: the groups finish at different
+    # steps, and the decode moves down through several buckets
+    ids, lengths = first.completion_ids, first.lengths
+    stops = sorted({int(ids[4 * g, min(1 + g, int(lengths[4 * g]) - 1)])
+                    for g in range(len(PROMPTS))} | {1})
+    runs = {}
+    cases = {"greedy": {"greedy": True, "stop_token_ids": stops},
+             "sampled": {"temperature": 0.8, "top_k": 20, "top_p": 0.9,
+                         "repetition_penalty": 1.2, "presence_penalty": 0.3,
+                         "stop_token_ids": stops}}
+    for name, settings in cases.items():
+        for on in (False, True):
+            with graphs(on, runners):
+                runs[name, on] = rollout(model, tok, "native", k=4, max_new_tokens=10, **settings)
+    eager, graphed = runs["greedy", False], runs["greedy", True]
+    width = min(eager.completion_ids.shape[1], graphed.completion_ids.shape[1])
+    mask = eager.completion_mask.bool()[:, :width]
+    gap = (eager.sampler_logp[:, :width] - graphed.sampler_logp[:, :width]).abs()[mask]
+    sampled = runs["sampled", False].completion_ids, runs["sampled", True].completion_ids
+    return {
+        "greedy_equal": bool(torch.equal(eager.completion_ids, graphed.completion_ids)),
+        "token_agreement": agreement(graphed.completion_ids[:, :width],
+                                     eager.completion_ids[:, :width],
+                                     eager.lengths.clamp(max=width)),
+        "logp_max_gap": float(gap.max()) if gap.numel() else 0.0,
+        "sampled_equal": bool(sampled[0].shape == sampled[1].shape
+                              and torch.equal(*sampled)),
+        "rows_finish_apart": len(set(eager.lengths.tolist())) > 1,
+        "captured": [r.captured for r in runners],
+        "capture_failed": next((r.failed for r in runners if r.failed), None),
+    }
+
+
+def graph_failures(family: str, check: dict) -> list[str]:
+    """What an fp32 `graph_check` must show: equal completions, close log-probs, graphs
+    captured for more than one bucket, none failed."""
+    failures = []
+    if not (check["greedy_equal"] and check["sampled_equal"]):
+        failures.append(f"{family} graphed: completions differ from the eager decode's")
+    if not check["logp_max_gap"] <= GRAPH_LOGP_ATOL:
+        failures.append(f"{family} graphed: log-prob gap {check['logp_max_gap']:.2e}")
+    if check["capture_failed"] or not any(len(c) > 1 for c in check["captured"]):
+        failures.append(f"{family} graphed: captured {check['captured']}, "
+                        f"failed: {check['capture_failed']}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -143,7 +247,7 @@ def main() -> int:
     report: dict = {"device": args.device, "torch": torch.__version__,
                     "transformers": transformers.__version__,
                     "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                    "fp32": {}, "bf16": {}, "lora": {}}
+                    "fp32": {}, "bf16": {}, "lora": {}, "graphed": {}}
     for family in FAMILIES:
         fp32 = report["fp32"][family] = greedy_check(family, tok, args.device, torch.float32)
         if not (fp32["completions_equal"] and fp32["lengths_equal"]):
@@ -156,6 +260,12 @@ def main() -> int:
         lora = report["lora"][family] = lora_check(family, tok, args.device)
         if not lora["logp_max_gap"] <= LOGP_ATOL:
             failures.append(f"{family} LoRA: log-prob gap {lora['logp_max_gap']:.2e}")
+    for family in FAMILIES:
+        graphed = report["graphed"][family] = {
+            "fp32": graph_check(family, tok, args.device, torch.float32),
+            "bf16": graph_check(family, tok, args.device, torch.bfloat16)}
+        failures += graph_failures(family, graphed["fp32"])
+        print(f"{family} graphed: {graphed}", flush=True)
     dist = report["distribution"] = distribution_check(tok, args.device)
     if dist["tokens_used"] != 8 or not dist["chi2"] < CHI2_LIMIT:
         failures.append(f"first-token distribution: {dist}")
@@ -175,8 +285,20 @@ def main() -> int:
     lines += ["", "LoRA (fp32, sampled): " + ", ".join(
         f"{k} log-prob gap {v['logp_max_gap']:.1e}" for k, v in report["lora"].items()),
         f"First-token distribution, 3,000 samples per engine: chi-square {dist['chi2']:.2f} "
-        f"over {dist['tokens_used']} tokens (limit {CHI2_LIMIT}).", "",
-        "Failures: " + ("; ".join(failures) if failures else "none")]
+        f"over {dist['tokens_used']} tokens (limit {CHI2_LIMIT}).", ""]
+    how = "CUDA graphs" if args.device == "cuda" else "replays calling the step (no GPU)"
+    lines += [f"Graphed native decode ({how}, buckets down to 1 row) against the eager native "
+              "decode:", "",
+              "| family | fp32 greedy, sampled equal | fp32 log-prob gap | buckets captured "
+              "(greedy decode) | bf16 token agreement | bf16 log-prob gap |",
+              "|---|---|---|---|---|---|"]
+    for family, g in report["graphed"].items():
+        f, b = g["fp32"], g["bf16"]
+        lines.append(f"| {family} | {f['greedy_equal']}, {f['sampled_equal']} "
+                     f"| {f['logp_max_gap']:.1e} | {f['captured'][0] if f['captured'] else '-'} "
+                     f"| {b['token_agreement']:.1%} | {b['logp_max_gap']:.1e} |")
+    lines.append("")
+    lines.append("Failures: " + ("; ".join(failures) if failures else "none"))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return 1 if failures else 0

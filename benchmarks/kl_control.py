@@ -2,11 +2,13 @@
 and `dual`, each over the same seeds, only the controller changed.
 
     python benchmarks/kl_control.py --seeds 0 1 2
+    python benchmarks/kl_control.py --seeds 0 1 2 --beta-scale 0.1   # every β starts 10x low
 
 Per controller and task: steps until the KL's window means stay inside the band (the band is
 the demo's for every controller; `proportional` steers toward its centre, `fixed` keeps the
 demo's starting β), the share of the second half in the band, and the final greedy accuracy.
-Writes benchmarks/results/kl_control.md (and .json).
+`--beta-scale F` starts every task's β at F times the demo's (what a user with a guessed β
+meets). Writes benchmarks/results/kl_control.md (and .json).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ FIELDS = ("low", "high", "rate", "target", "horizon", "kp", "ki", "max_step", "w
           "beta_min", "beta_max")
 
 
-def overrides(kind: str) -> list[str]:
+def overrides(kind: str, beta_scale: float = 1.0) -> list[str]:
     """The --set lines that give every demo task controller `kind` on the demo's band (every
-    other controller field null: a --set merges into the demo's own `kl`)."""
+    other controller field null: a --set merges into the demo's own `kl`), each task's β
+    starting at `beta_scale` times the demo's."""
     sets = []
     for name, task in demo_base()["tasks"].items():
+        if beta_scale != 1.0:
+            sets.append(f"tasks.{name}.beta={task['beta'] * beta_scale:g}")
         kl = task["kl"]
         keep: dict = dict.fromkeys(FIELDS) | {"kind": kind, "every_steps": kl["every_steps"]}
         if kind in ("band", "dual"):
@@ -56,6 +61,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["fixed", "band", "proportional", "dual"])
     parser.add_argument("--work", type=Path, default=Path("runs/bench-kl-control"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kl_control.md"))
+    parser.add_argument("--beta-scale", type=float, default=1.0,
+                        help="start every task's β at this multiple of the demo's")
     parser.add_argument("--add", action="append", default=[], metavar="KIND=JSON",
                         help="take KIND's runs from a JSON of this script or of demo_seeds.py "
                              "(same commit and seeds) instead of running them (the demo's own "
@@ -74,7 +81,7 @@ def main() -> None:
     for seed in args.seeds:  # alternated: each seed's runs back to back
         for kind in args.kinds:
             if kind not in added:
-                run = run_seed(seed, args.work / kind, overrides(kind))
+                run = run_seed(seed, args.work / kind, overrides(kind, args.beta_scale))
                 run["kl"] = kl_stats(args.work / kind / f"run-seed{seed}", bands)
                 results[kind].append(run)
     args.kinds = kinds
@@ -100,7 +107,9 @@ def main() -> None:
     args.out.write_text(
         "# KL controllers on the demo's tasks\n\n"
         f"Machine: {machine()}. Commit {commit}. Command: `python benchmarks/kl_control.py "
-        f"--seeds {' '.join(map(str, args.seeds))}`\n\n"
+        f"--seeds {' '.join(map(str, args.seeds))}"
+        + (f" --beta-scale {args.beta_scale:g}" if args.beta_scale != 1.0 else "") + "`; β "
+        f"started at {args.beta_scale:g}× the demo's.\n\n"
         "Settled by: the step after which every window mean (`every_steps`) of the task's KL "
         "lies inside its band (never: the last window is outside). In band: the share of the "
         "second half's steps (and windows) inside.\n\n" + "\n".join(lines) + "\n",

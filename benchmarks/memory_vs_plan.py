@@ -271,16 +271,18 @@ Reading it: "RSS peak − fixed" counts a little more than tensors (the tokenize
 Python objects, the small blocks glibc keeps), so a plan / measured ratio a few per cent below
 1 is consistent with a right plan without proving it; the tensor peak itself is `--measure
 profiler`'s, far slower at these sizes (13 minutes were not enough for the first step of 0.5B
-LoRA under load 8; this run took 481 s for both steps). The plan is for device "cpu" (no CUDA context term) and fp32, as the
-CPU trains.
+LoRA under load 8). The plan is for device "cpu" (no CUDA context term) and fp32, as the CPU
+trains. The seconds are wall time on a shared machine (other work ran beside every case), not
+a speed figure.
 
-Not measured: `qwen2.5-0.5b/lora+ckpt` stops in the first update's backward with
-`torch.utils.checkpoint.CheckpointError: A different number of tensors was saved during the
-original forward and recomputation` (64 vs 57: one fewer for each of a layer's 7 LoRA
-modules). The forward runs inside `cpu_linear.cpu_linears` (the model's linears made
-`CPULinear`, LoRA layers on the fused `_LoraLinear`), the checkpoint's recomputation in
-`loss.backward()` outside it, through peft's own forward — a trainer bug in LoRA with
-gradient checkpointing on CPU float32, not a planner one.
+Bytes per parameter: full fine-tuning in fp32 holds 20 B a parameter whatever the batch
+(weights 4, AdamW's m and v 8, the reference copy 4, gradients 4: the planner's terms); the
+measured 21.3 adds this small batch's activations and the chunked log-prob head (1.3 and
+0.6 GiB planned). Under bf16-mixed the reference is bf16 (2 B): 18 B a parameter.
+
+The LoRA + checkpointing rows were first blocked by a trainer bug (the checkpoint's
+recomputation left the CPU products the forward ran on: `CheckpointError`); since 66bb0c0 the
+CPU products stay off for a model that recomputes, and the rows are measured.
 """
 
 if __name__ == "__main__":

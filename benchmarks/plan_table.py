@@ -115,7 +115,8 @@ stream, the activations and the KV cache are float32 — twice the bf16 figures;
 generation of all 64 completions at once is the peak, and a smaller
 `rollout.generation_batch_size` (no cost in quality) is the first rung. The ladder takes, in
 order, every rung that saves something, so a fitting rung's flags can include an earlier one
-that did not fit on its own (shorter completions before the 8-bit optimizer in notes 1, 2 and 5).
+that did not fit on its own (the 8-bit optimizer before shorter completions and pure bf16 in
+notes 2 and 5).
 
 Notes: the flags for `mogrpo train` (or `mogrpo plan` to check them):
 

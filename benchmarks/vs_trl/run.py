@@ -228,6 +228,14 @@ def to_markdown(results: dict[str, Any]) -> str:
     )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; all of them where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", choices=list(workload.SIZES),
@@ -236,8 +244,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the times")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per run (1 on a shared machine: with more, "
+    parser.add_argument("--threads", type=int, default=usable_cores(),
+                        help="torch threads per run (default: the cores this process may use, "
+                        "as a user runs; 1 is the low-noise option on a shared machine, where "
                         "threads of busy neighbours stall each other's parallel regions)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both tools train (cuda: the first GPU)")

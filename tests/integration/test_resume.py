@@ -211,6 +211,7 @@ def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
                           sft={"enabled": False})
     assert main(["train", str(config)]) == 0
     run = tmp_path / "run"
+    temperature = yaml.safe_load(config.read_text())["rollout"]["temperature"]  # the demo's
 
     # Allowed: more steps, another log interval, malloc's defaults — listed, the run continues.
     assert main(["train", str(config), "--resume", "auto", "--set", "train.max_steps=3",
@@ -225,7 +226,7 @@ def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
                  "--set", "rollout.temperature=0.5"]) == 2
     err = capsys.readouterr().err
     assert "error: the config differs from the one checkpoint" in err
-    assert "rollout.temperature: 1.0 -> 0.5" in err
+    assert f"rollout.temperature: {temperature} -> 0.5" in err
     assert "--allow-config-change" in err
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]
 
@@ -234,7 +235,8 @@ def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
                  "--set", "train.max_steps=4", "--set", "rollout.temperature=0.5"]) == 0
     record = json.loads((run / "config_changes.jsonl").read_text().splitlines()[-1])
     forced = [c for c in record["changes"] if not c["allowed"]]
-    assert forced == [{"key": "rollout.temperature", "old": 1.0, "new": 0.5, "allowed": False}]
+    assert forced == [{"key": "rollout.temperature", "old": temperature, "new": 0.5,
+                       "allowed": False}]
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
 
 

@@ -130,6 +130,14 @@ def test_the_gpu_options_refuse_a_machine_without_one(bench, capsys):
     assert "--device cuda: torch sees no CUDA GPU here" in capsys.readouterr().err
 
 
+def test_runs_use_every_core_unless_told(bench, monkeypatch):
+    """The benchmark times what a user runs: torch on every core the process may use."""
+    run = bench_module("run")
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert run.parse_args([]).threads == 3
+    assert run.parse_args(["--threads", "1"]).threads == 1
+
+
 def test_prompt_order_is_mogrpo_draw_order(bench):
     workload = bench["workload"]
     rows = workload.prompt_rows(0, 10)

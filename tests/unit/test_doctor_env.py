@@ -82,6 +82,13 @@ def test_the_report_says_which_decode_step_runs(no_gpu, monkeypatch, tmp_path):
     assert "MOGRPO_DECODE_KERNEL=0" in text.split("environment")[-1]
 
 
+def test_the_report_says_when_the_cuda_decode_graphs_are_off(two_gpus, monkeypatch):
+    monkeypatch.setenv("MOGRPO_DECODE_GRAPH", "0")
+    text = report(collect())
+    assert "  native decode step: eager (MOGRPO_DECODE_GRAPH=0)" in text
+    assert "MOGRPO_DECODE_GRAPH=0" in text.split("environment")[-1]
+
+
 @pytest.fixture
 def two_gpus(monkeypatch: pytest.MonkeyPatch):
     """An A100 40GB nearly filled by another process, and an idle RTX 4090."""
@@ -116,6 +123,7 @@ def test_gpu_report_shows_each_gpu_and_its_memory(two_gpus):
     assert "GPU 1: NVIDIA GeForce RTX 4090, compute 8.9, 23.64 GiB total, 23.00 GiB free (3% in use)" in text
     assert "warning: GPU 0 is 95% full (35.59 GiB held by other processes)" in text
     assert "GPU 1 is" not in text
+    assert "  native decode step: CUDA graphs, one per bucket of rows" in text
     assert "bf16                  yes  supported by the GPU" in text
     # flash_attn and bitsandbytes are not installed here: reported, not crashed on
     assert "flash_attention_2     no   not installed" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -280,6 +281,34 @@ def test_grad_spike():
     lone = HealthConfig(grad_spike={"repeats": 1})
     step, _ = only(fires_at(HealthMonitor(lone), spikes_at(31), failing=40))
     assert step == 31
+
+
+def test_grad_spikes_clipping_contains_do_not_count():
+    """A spike clipped to a few typical norms reached the optimizer as an ordinary gradient:
+    the demo's seed 4, converged by step 100, met grad norms 14x and 30x its median 30 steps
+    apart (a rare answer in an otherwise unanimous group), both clipped to 1.0 = 2x."""
+    record = json.loads((Path(__file__).parent / "fixtures" / "health"
+                         / "demo_seed4_grad_norms.json").read_text())
+    norms = record["grad_norm"]
+
+    def run(ctx):
+        return stream(HealthMonitor(), len(norms), lambda s, m: m.update(
+            {"policy/grad_norm": norms[s - 1]}), ctx=ctx)
+
+    clipped = StepContext(temperature=0.7, max_grad_norm=1.0)
+    assert run(clipped) == {}
+    # without the clipping threshold every spike counts: the same norms raise the alert
+    assert [a.check for alerts in run(StepContext(temperature=0.7)).values()
+            for a in alerts] == ["grad_spike", "grad_spike"]
+    # a spike above a tiny median reaches the optimizer far larger than a typical step even
+    # after clipping (1.0 against 0.01): it counts
+    tiny = StepContext(temperature=0.9, max_grad_norm=1.0)
+    small = lambda s, m: m.update({"policy/grad_norm": 0.01})  # noqa: E731
+    monitor = HealthMonitor()
+    assert stream(monitor, 30, small, ctx=tiny) == {}
+    fired = stream(monitor, 30, lambda s, m: m.update(
+        {"policy/grad_norm": 5.0 if s in (40, 50) else 0.01}), start=31, ctx=tiny)
+    assert list(fired) == [50]
 
 
 def test_grad_spikes_further_apart_than_the_window_stay_lone():

@@ -131,3 +131,18 @@ def test_chat_template_renders_as_specified(tiny_model_dir):
     )
     no_prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=False)
     assert no_prompt == "<|system|>\nBe fair.<|eot|>\n<|user|>\nWho is the doctor?<|eot|>\n"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma", "llama"])
+def test_the_tokenizer_loads_with_the_models_vocabulary_and_saves_back_so(arch, tiny_texts,
+                                                                           tmp_path):
+    """transformers loads a Qwen folder's tokenizer as Qwen2Tokenizer, which added its default
+    unknown token `<|endoftext|>` past the vocabulary: a model saved after training then had
+    a tokenizer one id longer than its embedding, and `mogrpo train` refused it."""
+    out = build_tiny_model(tmp_path / arch, tiny_texts, arch=arch, hidden_size=32, num_layers=1,
+                           num_heads=2)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == vocab
+    tok.save_pretrained(tmp_path / "again")
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "again")) == vocab

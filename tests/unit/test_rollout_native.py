@@ -597,15 +597,15 @@ def test_finished_rows_leave_the_cache_in_place(rows):
     """The rows that stay move up inside the cache they are in: the first columns then hold
     what copying those rows out would, the columns after them are untouched, and no new cache
     is made (runs shifting by one row, by more rows than the run is long, and by none)."""
-    from mogrpo.rollout.native import _row_moves, _shift_rows
+    from mogrpo.rollout.cache_rows import row_moves, shift_rows
 
     torch.manual_seed(len(rows))
     cache = torch.randn(10, 2, 12, 4)
     before = cache.clone()
-    kept = _shift_rows(cache, _row_moves(rows), len(rows), 7)
+    kept = shift_rows(cache, row_moves(rows), len(rows), 7)
     assert kept.shape == (len(rows), 2, 12, 4) and kept.is_contiguous()
     assert kept.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     assert torch.equal(kept[:, :, :7], before[rows][:, :, :7])
     assert torch.equal(cache[:, :, 7:], before[:, :, 7:])
     stay = next((i for i, r in enumerate(rows) if r != i), len(rows))
-    assert all(first >= stay for first, _, _ in _row_moves(rows))  # rows before stay put
+    assert all(first >= stay for first, _, _ in row_moves(rows))  # rows before stay put

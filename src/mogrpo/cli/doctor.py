@@ -29,7 +29,7 @@ FULL_GPU = 0.9
 # W&B run (USERS.md #8), the others pick devices, caches and allocator behaviour.
 WATCHED_ENV = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_HUB_OFFLINE",
                "TRANSFORMERS_OFFLINE", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE", "OMP_NUM_THREADS",
-               "MOGRPO_DECODE_KERNEL", "MOGRPO_KERNEL_CACHE")
+               "MOGRPO_DECODE_KERNEL", "MOGRPO_KERNEL_CACHE", "MOGRPO_DECODE_GRAPH")
 STALE_ENV = {"WANDB_RUN_ID": "the next run attaches to that W&B run",
              "WANDB_RESUME": "the next run resumes a W&B run instead of starting one"}
 
@@ -71,8 +71,8 @@ def _cpu() -> dict[str, Any]:
                 break
     from mogrpo import kernels
 
-    # which library computes the float32 products; the native engine's CPU decode step:
-    # compiled or Python
+    # which library computes the float32 products; the native engine's CPU decode step
+    # (compiled or Python) and its CUDA one (graphed or eager)
     info.update(kernels.describe())
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
@@ -180,6 +180,8 @@ def report(info: dict[str, Any]) -> str:
                     f"GPU {g['index']} is {used:.0%} full ({_gib(g['other_processes'])} held by "
                     "other processes): `nvidia-smi` shows which; stop them or pick another GPU "
                     "with CUDA_VISIBLE_DEVICES")
+        if "decode_graph" in cpu:
+            lines.append(f"  native decode step: {cpu['decode_graph']}")
     else:
         lines.append("CUDA: not available — no GPU visible to torch; training runs on the CPU "
                      "(slow; fine for the tiny demo)")

@@ -48,6 +48,9 @@ class StepContext:
     learning_rate: float | None = None
     """The run's peak learning rate (train.learning_rate, × lr_factor per rollback), which a
     fix names; None = this step's `lr` (lower during warm-up)."""
+    max_grad_norm: float | None = None
+    """The clipping threshold (train.max_grad_norm): a spike it cuts to a few typical norms is
+    contained (`grad_spike`); None = unknown, every spike counts."""
 
 
 @dataclass
@@ -458,6 +461,9 @@ class HealthMonitor:
         before = self._push(names.GRAD_NORM, value, cfg.window + 1)
         median = statistics.median(before) if len(before) >= cfg.min_history else 0.0
         spike = len(before) >= cfg.min_history and value > cfg.factor * max(median, 1e-12)
+        if spike and ctx.max_grad_norm is not None and \
+                min(value, ctx.max_grad_norm) <= cfg.contained * median:
+            spike = False  # clipped to a few typical norms: the optimizer saw no spike
         if self._count("grad_spike", "policy", spike) < cfg.patience:
             return
         # clipping contains a lone spike: the alert waits for `repeats` within the window

@@ -3,13 +3,14 @@
 The math (`mogrpo.algo`) and the loop (`mogrpo.trainer`) never name a processor, and nothing
 outside this package imports one of its hardware packages: they call the functions here, which
 pick what runs for the tensors or the machine at hand. Each kind of hardware has a package of
-its own: `cpu/` today (see its docstring); a CUDA package (CUDA-graph decode) lands beside it,
-behind these same functions.
+its own: `cpu/` (see its docstring) and `cuda/` (the native engine's decode step replayed from
+CUDA graphs), behind these same functions.
 
 - `products()`: the matrix products the math multiplies with (`mogrpo.algo.products`);
 - the native engine's decode products: `decode_weight` prepares a weight once, and
   `decode_linear`, `decode_product`, `decode_add_product` multiply with it; `compiled_decoder`
-  runs a whole step's layers in one call where a compiled step exists;
+  runs a whole step's layers in one call where a compiled step exists; `graph_runner` replays
+  the static decode step from CUDA graphs on a GPU;
 - `linear`, `trained_linear`: the training products for mogrpo's own forward (`score_hidden`);
 - `prepare_lora(model)`: LoRA layers fused and dropout masks drawn fast where that pays;
 - `apply_host_memory`: the C library's allocator told to keep a step's freed memory;
@@ -25,8 +26,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
-    from torch import nn
+    from torch import Tensor, nn
 
     from mogrpo.algo.products import Products
 
@@ -39,7 +42,8 @@ _SERVED = {
     "linear": "cpu.linear", "trained_linear": "cpu.linear",
     "apply_host_memory": "cpu.host_memory",
 }
-__all__ = ["compiled_decoder", "describe", "prepare_lora", "products", *_SERVED]
+__all__ = ["compiled_decoder", "describe", "graph_runner", "prepare_lora", "products",
+           *_SERVED]
 
 
 def __getattr__(name: str) -> Any:
@@ -70,6 +74,18 @@ def compiled_decoder(decoder: Any, rows: int, device: torch.device) -> tuple[obj
     return decode_step.decoder_stack(decoder, rows)
 
 
+def graph_runner(device: torch.device) -> Callable[[Callable[[], Tensor]], Any] | None:
+    """How the native engine's static decode step (`rollout/static_decode.py`) runs on
+    `device`: on CUDA, a maker of runners that capture the step once per bucket of rows as a
+    CUDA graph and replay it (`cuda.graph_step.GraphedStep`); None on other devices, or with
+    MOGRPO_DECODE_GRAPH=0 (the engine's eager step then runs)."""
+    if device.type != "cuda":
+        return None
+    from mogrpo.kernels.cuda import graph_step
+
+    return None if graph_step.disabled() else graph_step.GraphedStep
+
+
 def prepare_lora(model: nn.Module) -> tuple[int, int]:
     """(LoRA layers made fused, dropouts made fast): both act only on CPU float32 tensors and
     leave every other call to peft's own code."""
@@ -80,8 +96,10 @@ def prepare_lora(model: nn.Module) -> tuple[int, int]:
 
 
 def describe() -> dict[str, Any]:
-    """Which kernels compute here: the float32 products' library per use, and the native
-    engine's compiled decode step (built, or why not)."""
+    """Which kernels compute here: the float32 products' library per use, the native engine's
+    compiled decode step (built, or why not) and its step on CUDA (graphed or eager)."""
     from mogrpo.kernels.cpu import decode_step, linear
+    from mogrpo.kernels.cuda import graph_step
 
-    return {"kernels": linear.kernels(), "decode_step": decode_step.status()}
+    return {"kernels": linear.kernels(), "decode_step": decode_step.status(),
+            "decode_graph": graph_step.status()}

@@ -7,6 +7,7 @@ with a byte-level BPE tokenizer, two stop ids and a chat template shaped like Ll
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -190,6 +191,7 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, eot_id], pad_token_id=pad_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _no_unknown_token(out)
     logger.info(
         "built tiny %s model (%d parameters, vocab %d) in %s",
         arch,
@@ -198,6 +200,18 @@ def build_tiny_model(
         out,
     )
     return out
+
+
+def _no_unknown_token(folder: Path) -> None:
+    """Say in the saved tokenizer config that the tokenizer has no unknown token (byte-level
+    BPE needs none). Otherwise transformers loads a Qwen2 or Qwen3 folder's tokenizer as
+    `Qwen2Tokenizer`, whose default unknown token `<|endoftext|>` is then added as a token
+    past the model's vocabulary: one more id than the embedding has, which `mogrpo train`
+    refuses (and every save of that tokenizer keeps)."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.setdefault("unk_token", None)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def random_family_model(family: str, vocab_size: int, *, pad_token_id: int, eos_token_id: int,

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from mogrpo import kernels
 from mogrpo.algo.logprobs import distinct_prompts, token_positions
 from mogrpo.kernels import decode_add_product, decode_linear, decode_product
+from mogrpo.rollout.cache_rows import row_moves, rows_of, shift_rows
 from mogrpo.rollout.layer_ops import (
     attend_one,
     bound_norm,
@@ -51,6 +52,7 @@ from mogrpo.rollout.layout import (
 )
 from mogrpo.rollout.projections import Projections, autocast_dtype, decode_projections
 from mogrpo.rollout.sampling import SamplingRules
+from mogrpo.rollout.static_decode import StaticDecoder
 
 
 class NativeDecoder:
@@ -96,6 +98,9 @@ class NativeDecoder:
         self.prompt_columns = 0  # P: the cache column of the first generated token
         self.length = 0  # columns of the cache filled so far
         self.cos = self.sin = torch.empty(0)  # [T_max, D] rotary tables
+        # whether the cache starts as zeros: `static_step` reads every column, and a column
+        # not yet written must add nothing (its weight is 0, but 0 x NaN from unset memory is NaN)
+        self.zero_cache = False
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
         """Run the prompts [B, P] (left-padded), fill the cache; last-position logits [B, V].
@@ -131,8 +136,9 @@ class NativeDecoder:
         first = self.attention[0]
         shape = (B, first.kv_heads, total, first.head_dim)
         # columns are written before they are read (a query sees only columns up to its own)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        allocate = torch.zeros if self.zero_cache else torch.empty
+        self.keys = [allocate(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [allocate(shape, dtype=dtype, device=device) for _ in self.layers]
         # every generated column is valid for every live row (finished rows leave the batch),
         # so the masks are complete up front: a decode step only widens its view of them
         self.valid = torch.ones(B, total, dtype=torch.bool, device=device)
@@ -166,6 +172,23 @@ class NativeDecoder:
             mask = self.valid[:, None, None, : column + 1]  # [B, 1, 1, S]
         positions = self.positions + (column - self.prompt_columns)
         hidden = self._forward(x, positions[:, None], mask)
+        return self._logits(hidden[:, -1])
+
+    def static_step(self, tokens: Tensor, column: Tensor, columns: Tensor) -> Tensor:
+        """`step` with every shape fixed for the whole decode, so that one CUDA graph replays
+        it (`rollout/static_decode.py`): one token per cache row [b], the column to write as
+        a tensor [1] (a replay reruns the captured kernels, not the Python that chose a slice),
+        attention over all T_max columns (`columns`: arange(T_max)) with the columns after
+        `column` masked out; next-token logits [b, V]. The caller advances `length` (a replay
+        runs no Python)."""
+        x = self.backbone.embed_tokens(tokens[:, None])  # [b, 1, H]
+        b, kv_heads, total = len(tokens), self.attention[0].kv_heads, len(columns)
+        seen = self.valid & (columns <= column)  # [b, T_max]
+        bias = self.keys[0].new_zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+        # per key head, as `attend_one` takes it: [b H_kv, 1, T_max]
+        bias = bias[:, None].expand(b, kv_heads, total).reshape(b * kv_heads, 1, total)
+        positions = self.positions + (column - self.prompt_columns)  # [b]
+        hidden = self._forward(x, positions[:, None], bias, column=column)
         return self._logits(hidden[:, -1])
 
     def _step_bias(self, columns: int) -> Tensor:
@@ -238,17 +261,17 @@ class NativeDecoder:
         """Keep the rows `rows` of the cache, in that order (after a prefill of distinct
         prompts, each row gets its prompt's). Only the columns written so far are copied: a
         decode step writes its column before any query reads it."""
-        self.keys = [_rows_of(k, rows, self.length) for k in self.keys]
-        self.values = [_rows_of(v, rows, self.length) for v in self.values]
+        self.keys = [rows_of(k, rows, self.length, self.zero_cache) for k in self.keys]
+        self.values = [rows_of(v, rows, self.length, self.zero_cache) for v in self.values]
         self._keep_row_state(rows)
 
     def keep_unfinished(self, rows: Tensor) -> None:
         """`keep` for rows that rise strictly (the unfinished ones, when others finish): the
-        cache's rows move up in place (`_shift_rows`), only those after the first finished
+        cache's rows move up in place (`shift_rows`), only those after the first finished
         row, and no new cache is allocated."""
-        moves = _row_moves(rows.tolist())
-        self.keys = [_shift_rows(k, moves, len(rows), self.length) for k in self.keys]
-        self.values = [_shift_rows(v, moves, len(rows), self.length) for v in self.values]
+        moves = row_moves(rows.tolist())
+        self.keys = [shift_rows(k, moves, len(rows), self.length) for k in self.keys]
+        self.values = [shift_rows(v, moves, len(rows), self.length) for v in self.values]
         self._keep_row_state(rows)
 
     def _keep_row_state(self, rows: Tensor) -> None:
@@ -266,8 +289,11 @@ class NativeDecoder:
             return decode_linear(hidden, self.head_weight, self.head.bias).float()  # [B, V]
         return self.head(hidden).float()
 
-    def _forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
-        """The decoder layers on x [B, T, H] at `positions` [B, T], writing T cache columns."""
+    def _forward(self, x: Tensor, positions: Tensor, mask: Tensor,
+                 column: Tensor | None = None) -> Tensor:
+        """The decoder layers on x [B, T, H] at `positions` [B, T], writing T cache columns
+        from `length` on; or, with `column` (`static_step`: T = 1), that one column, leaving
+        `length` as it is."""
         if self.pairs:  # [B, T, 1, D/2] complex (sin unused)
             cos = sin = self.freqs[positions][:, :, None]
         elif self.rotate_halves:  # [B, T, 1, 2, D/2]
@@ -278,22 +304,23 @@ class NativeDecoder:
         for i, layer in enumerate(self.layers):
             if self.plain is None:
                 h = layer.input_layernorm(x)
-                x = x + self._attend(i, h, cos, sin, start, mask)
+                x = x + self._attend(i, h, cos, sin, start, mask, column)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
                 continue
             p = self.plain[i]
             first, second = p.norms or (None, None)
             h = run_norm(layer.input_layernorm, first, x)
-            x = x + self._attend(i, h, cos, sin, start, mask)
+            x = x + self._attend(i, h, cos, sin, start, mask, column)
             h = run_norm(layer.post_attention_layernorm, second, x)
             gate, up = decode_linear(h, *p.gate_up).chunk(2, dim=-1)
             x = x + decode_linear(p.act(gate) * up, *p.down)
-        self.length = start + T
+        if column is None:
+            self.length = start + T
         return x
 
     def _attend(self, i: int, h: Tensor, cos: Tensor, sin: Tensor, start: int,
-                mask: Tensor) -> Tensor:
-        """Attention of layer i on h [B, T, H]."""
+                mask: Tensor, column: Tensor | None = None) -> Tensor:
+        """Attention of layer i on h [B, T, H] (`column`: see `_forward`)."""
         a = self.attention[i]
         attn = a.module
         B, T, _ = h.shape
@@ -322,10 +349,15 @@ class NativeDecoder:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = a.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, D]
             v = v.view(B, T, a.kv_heads, a.head_dim).transpose(1, 2)
-        end = start + T
-        self.keys[i][:, :, start:end] = k
-        self.values[i][:, :, start:end] = v
-        keys, values = self.keys[i][:, :, :end], self.values[i][:, :, :end]
+        if column is None:
+            end = start + T
+            self.keys[i][:, :, start:end] = k
+            self.values[i][:, :, start:end] = v
+            keys, values = self.keys[i][:, :, :end], self.values[i][:, :, :end]
+        else:  # the static step: its column written at a tensor index, every column read
+            keys, values = self.keys[i], self.values[i]
+            keys.index_copy_(2, column, k.to(keys.dtype))
+            values.index_copy_(2, column, v.to(values.dtype))
         if T == 1 and mask.is_floating_point():
             out = attend_one(q, keys, values, mask, a.scaling)
         else:
@@ -334,42 +366,6 @@ class NativeDecoder:
         if self.plain is None:
             return attn.o_proj(out)
         return decode_linear(out, *self.plain[i].out)
-
-
-def _rows_of(cache: Tensor, rows: Tensor, columns: int) -> Tensor:
-    """A cache [len(rows), H_kv, T_max, D] holding `cache`'s rows `rows` in its first
-    `columns` columns (the rest left unwritten)."""
-    out = cache.new_empty((len(rows), *cache.shape[1:]))
-    out[:, :, :columns] = cache[rows, :, :columns]
-    return out
-
-
-def _row_moves(rows: list[int]) -> list[tuple[int, int, int]]:
-    """The block copies (first, end, shift) that move rows `rows` (strictly rising) of a
-    cache to its first len(rows) rows in place: rows first..end-1 take rows first+shift..
-    end-1+shift, in this order. A run of rows with the same shift is copied in blocks of at
-    most `shift` rows, so no block overlaps its source, and each source is read before an
-    earlier block's copy overwrites it. Rows before the first that leaves stay."""
-    moves, i, n = [], 0, len(rows)
-    while i < n and rows[i] == i:
-        i += 1
-    while i < n:
-        shift = rows[i] - i
-        j = i + 1
-        while j < n and rows[j] - j == shift:
-            j += 1
-        moves.extend((first, min(first + shift, j), shift) for first in range(i, j, shift))
-        i = j
-    return moves
-
-
-def _shift_rows(cache: Tensor, moves: list[tuple[int, int, int]], rows: int,
-                columns: int) -> Tensor:
-    """`cache` [B, H_kv, T_max, D] with `moves` (see `_row_moves`) done on its first `columns`
-    columns; its first `rows` rows, a view."""
-    for first, end, shift in moves:
-        cache[first:end, :, :columns].copy_(cache[first + shift:end + shift, :, :columns])
-    return cache[:rows]
 
 
 @dataclass
@@ -416,24 +412,30 @@ def native_decode(
     record_logprobs: bool = False,
     projections: Projections | None = None,
     on_step: StepCallback | None = None,
+    static: bool | None = None,
 ) -> Decoded:
     """Sample up to `settings.max_new_tokens` tokens for every prompt row [B, P]
     (`projections`: see `NativeDecoder`). `on_step(rows, tokens)`, when given, is called after
     every decode step with the rows still decoding [b] and the token each just chose [b]
-    (`mogrpo serve` streams them).
+    (`mogrpo serve` streams them). `static`: whether the steps run on fixed shapes
+    (`rollout/static_decode.py`), replayed from CUDA graphs where `mogrpo.kernels` has them;
+    None: where it has them (CUDA, unless MOGRPO_DECODE_GRAPH=0).
 
     The loop runs in inference mode (no autograd bookkeeping at all: ~10 % of a small model's
     decode, whose operations are tiny); its results are returned as ordinary tensors, which
     the training forward can use (inference tensors cannot be saved for a backward)."""
     with torch.inference_mode():
-        out = _decode(NativeDecoder(model, projections), prompt_ids, prompt_mask, settings,
-                      stop_ids=stop_ids, pad_id=pad_id, record_logprobs=record_logprobs,
-                      on_step=on_step)
+        decoder = NativeDecoder(model, projections)
+        graphs = kernels.graph_runner(prompt_ids.device)
+        if static or (static is None and graphs is not None):
+            decoder = StaticDecoder(decoder, graphs)
+        out = _decode(decoder, prompt_ids, prompt_mask, settings, stop_ids=stop_ids,
+                      pad_id=pad_id, record_logprobs=record_logprobs, on_step=on_step)
     return Decoded(out.tokens.clone(), out.nonfinite_logits,
                    out.logp.clone() if out.logp is not None else None, out.rows_reset)
 
 
-def _decode(decoder: NativeDecoder, prompt_ids: Tensor, prompt_mask: Tensor, settings, *,
+def _decode(decoder: NativeDecoder | StaticDecoder, prompt_ids: Tensor, prompt_mask: Tensor, settings, *,
             stop_ids: list[int], pad_id: int, record_logprobs: bool,
             on_step: StepCallback | None = None) -> Decoded:
     B, N = prompt_ids.shape[0], settings.max_new_tokens

@@ -93,6 +93,7 @@ class GRPOTrainer(UpdatePhases):
                       if t.config.kl.band() is not None},
             full_finetune=not self.config.lora.enabled,
             learning_rate=self.config.train.learning_rate,
+            max_grad_norm=self.config.train.max_grad_norm,
         )
         self.rollbacks: list[dict[str, Any]] = []
         self.oom = OomGuard(self.config, self.dist.world_size, ctx.device,
