@@ -1,4 +1,6 @@
-"""The calculator example's tool and reward (examples/agent_calculator.yaml)."""
+"""The calculator example's tool and rewards (examples/agent_calculator.yaml): the policy
+may hand the arithmetic to `calculator`; the rewards pay for the right final number and for a
+call that computed it."""
 
 from __future__ import annotations
 
@@ -30,11 +32,25 @@ def calculator(expression: str) -> str:
     return str(int(result) if float(result).is_integer() else round(result, 6))
 
 
+_RESULT = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
+
+
+def _text(completion: str | list[dict]) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
 def correct(prompts: list, completions: list, answer: list, **kwargs) -> list[float]:
     """1 when the last number of the episode's final turn is the row's answer, else 0."""
     scores = []
     for completion, want in zip(completions, answer, strict=True):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", text.rsplit("</tool_response>", 1)[-1])
+        text = _text(completion).rsplit("</tool_response>", 1)[-1]
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
         scores.append(1.0 if numbers and float(numbers[-1]) == float(want) else 0.0)
     return scores
+
+
+def calculator_call(prompts: list, completions: list, answer: list, **kwargs) -> list[float]:
+    """1 when the calculator returned the row's answer during the episode (the model called
+    it with a right expression), else 0. Tool results are part of the episode's text."""
+    return [1.0 if want in _RESULT.findall(_text(completion)) else 0.0
+            for completion, want in zip(completions, answer, strict=True)]

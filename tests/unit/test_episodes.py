@@ -5,6 +5,8 @@ one."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -164,3 +166,92 @@ def test_two_turn_logprobs_and_gradient_match_one_forward_of_the_whole_sequence(
     (-advantage[0] * (token_logprobs(model(input_ids=whole).logits[:, P - 1:P + C - 1], ids))
      .mean()).backward()
     assert any(not torch.allclose(got[n], p.grad) for n, p in model.named_parameters())
+
+
+def failing(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("out of order")
+
+
+def stuck(x: int) -> int:
+    """Answers too late.
+
+    Args:
+        x: Anything.
+    """
+    import time
+
+    time.sleep(0.6)
+    return x
+
+
+def _call(name: str, **arguments) -> str:
+    import json
+
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def test_a_failing_tool_reaches_the_model_and_the_metrics_count_it(agent_policy):
+    from types import SimpleNamespace
+
+    from mogrpo.tasks.agent_rollout import agent_metrics
+
+    model, tokenizer = agent_policy
+    tools = {"calculator": calculator, "failing": failing, "stuck": stuck}
+    # row 0: a good call and a failing one in one turn, then an unknown tool, then an answer;
+    # row 1: a call that times out, then an answer; row 2: answers at once. Each list is one
+    # round of turns, for the rows still going.
+    engine = ScriptedEngine(tokenizer, [
+        [_call("calculator", expression="2+3") + _call("failing", x=1) + "<|eot|>",
+         _call("stuck", x=2) + "<|eot|>", "5<|eot|>"],
+        [_call("nope") + "<|eot|>", "sorry<|eot|>"],
+        ["5<|eot|>"]])
+    rollout = generate_episodes(
+        model, tokenizer, [_prompt(tokenizer)] * 3, SamplingSettings(max_new_tokens=420),
+        ToolLoop([tools] * 3, timeout_s=0.2), num_generations=3, max_prompt_length=90,
+        add_special_tokens=False, engine=engine)
+    first, second, third = rollout.episodes
+    assert (first.turns, second.turns, third.turns) == (3, 2, 1)
+    # each failure is a message to the model, and the episode went on after it
+    assert "error: failing raised RuntimeError: out of order" in rollout.texts[0]
+    assert "error: there is no tool 'nope'" in rollout.texts[0]
+    assert "error: stuck timed out after 0.2 s" in rollout.texts[1]
+    task = SimpleNamespace(name="calc", agent=SimpleNamespace(tool_names=lambda: list(tools)))
+    metrics = agent_metrics([task], rollout, torch.zeros(3, dtype=torch.long))
+    assert metrics["task/calc/agent/turns"] == pytest.approx(2.0)
+    assert metrics["task/calc/tool/calculator/calls"] == pytest.approx(1 / 3)
+    assert metrics["task/calc/tool/calculator/error_frac"] == 0.0
+    assert metrics["task/calc/tool/failing/error_frac"] == 1.0
+    assert metrics["task/calc/tool/stuck/timeout_frac"] == 1.0
+    assert metrics["task/calc/tool/stuck/error_frac"] == 0.0  # a timeout is not counted twice
+    assert metrics["task/calc/tool/nope/calls"] == pytest.approx(1 / 3)
+    assert metrics["task/calc/tool/nope/error_frac"] == 1.0
+    sampled = rollout.generated_mask.sum(-1).float()
+    assert metrics["task/calc/agent/tokens_generated"] == pytest.approx(float(sampled.mean()))
+    assert metrics["task/calc/agent/tokens_inserted"] == pytest.approx(
+        float((rollout.lengths - sampled).mean()))
+
+
+def test_the_kl_and_the_token_normaliser_count_the_sampled_tokens_only(agent_policy):
+    from mogrpo.algo.loss import grpo_loss, loss_normalizer
+
+    _, tokenizer = agent_policy
+    _, ids, gen = _two_turn_episode(tokenizer)
+    logp = torch.full(ids.shape, -1.0)
+    ref = logp.clone()
+    ref[gen == 0] = -9.0  # the reference disagrees only where the tool's result was inserted
+    normalizer = loss_normalizer(gen, "token_mean", ids.shape[1])
+    assert normalizer == int(gen.sum()) < ids.shape[1]
+    out = grpo_loss(logp, logp, torch.zeros(1), gen, normalizer=normalizer,
+                    aggregation="token_mean", ref_logp=ref, beta=0.5)
+    assert float(out.loss) == 0.0 and float(out.kl.sum()) == 0.0  # no KL from inserted tokens
+    ref[0, 0] = -2.0  # one sampled token that disagrees does count
+    out = grpo_loss(logp, logp, torch.zeros(1), gen, normalizer=normalizer,
+                    aggregation="token_mean", ref_logp=ref, beta=0.5)
+    k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
+    assert float(out.loss) == pytest.approx(0.5 * k3 / normalizer, rel=1e-5)
+    assert float(out.kl[0]) == pytest.approx(k3 / normalizer, rel=1e-5)  # mean over sampled

@@ -189,3 +189,22 @@ def test_extra_fields_follow_trl_and_refuse_the_trainer_s_own_names():
     with pytest.raises(RolloutFuncError, match="returned key 'trainer_state', a name the "
                                                "trainer itself passes"):
         extra_fields({**required, "trainer_state": [1, 2, 3]}, 3, "tasks.env.rollout_func")
+
+
+def test_the_quick_eval_of_a_rollout_func_task_goes_through_it(tmp_path, tiny_model_dir):
+    from mogrpo.eval.quick_eval import evaluate
+    from mogrpo.tasks.task import load_tasks
+    from mogrpo.trainer.run import build_context, seed_everything
+
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}],
+                                        "topic": f"column {i}"}) + "\n" for i in range(8)))
+    config = _config(tmp_path, tiny_model_dir, rollout_func=with_fields, data=str(data),
+                     rewards=[fields_reward], eval_size=3)
+    seed_everything(0)
+    ctx = build_context(config, load_tasks(config))
+    result = evaluate(ctx)["env"]
+    # one rollout per held-out prompt, scored with the fields the rollout_func returned
+    assert SEEN["num_generations"] == 1 and len(SEEN["prompts"]) == 3
+    assert SEEN["reward_kwargs"]["seen_by_env"] == ["row 0", "row 1", "row 2"]
+    assert result.score == pytest.approx(2 / 3) and result.tool_call_frac is None

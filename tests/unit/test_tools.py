@@ -108,6 +108,27 @@ def test_calls_of_a_batch_run_concurrently():
     assert time.monotonic() - start < 1.5
 
 
+async def slow_async(seconds: float) -> str:
+    """Wait, then answer.
+
+    Args:
+        seconds: How long to wait.
+    """
+    await asyncio.sleep(seconds)
+    return "awaited"
+
+
+def test_async_and_sync_calls_of_a_batch_run_together_each_with_its_timeout():
+    tools = {"slow": slow, "slow_async": slow_async}
+    calls = [ToolCall("slow_async", {"seconds": 0.3})] * 6 + [ToolCall("slow", {"seconds": 0.3})] * 2
+    start = time.monotonic()
+    results = run_tool_calls([(tools, c) for c in calls], timeout_s=5)
+    assert [r.content for r in results] == ["awaited"] * 6 + ["done"] * 2
+    assert time.monotonic() - start < 1.5  # 8 × 0.3 s one after another would be 2.4 s
+    (late,) = run_tool_calls([(tools, ToolCall("slow_async", {"seconds": 5.0}))], timeout_s=0.2)
+    assert late.timed_out and late.content == "error: slow_async timed out after 0.2 s"
+
+
 def test_a_sync_tool_that_outlives_its_timeout_ends_quietly(monkeypatch):
     # its thread finishes after the batch gave up on it: nothing may raise in that thread
     raised = []

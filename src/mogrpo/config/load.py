@@ -266,7 +266,7 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
         )
     if config.eval.reward is not None:
         for name, task in config.tasks.items():
-            labels = [r.label for r in task.rewards]
+            labels = task.objective_labels()
             if config.eval.reward not in labels:
                 errors.append(
                     f"eval.reward = {config.eval.reward!r} is not a reward of task {name!r} "

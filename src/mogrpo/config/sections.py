@@ -192,7 +192,9 @@ class TaskConfig(Section):
     """How β adapts to this task's measured KL."""
     sft_target: str | None = None
     """SFT warm-up target template over the row's columns; default: the first non-empty
-    text column of `completion`, `response`, `answer`, else `Answer: {correct_answer}`."""
+    text column of `completion`, `response`, `answer`, else `Answer: {correct_answer}`. A
+    `completion` of chat messages (an agent task's worked episode: tool calls, tool results)
+    trains on its assistant turns only."""
     tools: list[str | Callable[..., Any]] = Field(default_factory=list)
     """Functions the policy may call between its turns (TRL's `tools`), each
     `package.module:function` or `path/file.py:function`; from Python, the function. Each needs
@@ -221,6 +223,15 @@ class TaskConfig(Section):
     def has_tools(self) -> bool:
         """Whether episodes of this task run tools (several turns)."""
         return bool(self.tools) or self.environment is not None
+
+    def objective_labels(self) -> list[str]:
+        """The task's objectives: its rewards' labels, then each environment class's name (its
+        `get_reward()`, if it has one, is an objective named after it)."""
+        env = self.environment
+        specs = list(env.values()) if isinstance(env, dict) else [] if env is None else [env]
+        classes = [s.rsplit(":", 1)[-1].strip() if isinstance(s, str) else s.__name__
+                   for s in specs]
+        return [r.label for r in self.rewards] + list(dict.fromkeys(classes))
 
     @model_validator(mode="after")
     def _one_rollout(self) -> TaskConfig:
@@ -385,7 +396,8 @@ class EvalConfig(Section):
     at_start: bool = True
     """Evaluate before GRPO starts (the baseline the run is compared with)."""
     reward: str | None = None
-    """Reward label scored as the task's eval score; default: the task's first reward."""
+    """Reward label scored as the task's eval score (an environment's class name for its
+    `get_reward()`); default: the task's first reward."""
     print_samples: int = Field(0, ge=0)
     """Print this many greedy completions per task at each eval."""
 

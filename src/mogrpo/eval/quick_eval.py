@@ -8,10 +8,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from mogrpo.data.schema import Example
 from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
-from mogrpo.rollout.generate import generate_rollout
+from mogrpo.rollout.generate import Rollout, SamplingSettings, generate_rollout
 from mogrpo.rollout.projections import held_projections
+from mogrpo.tasks.agent_rollout import agent_rollout, reward_extras
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
@@ -33,10 +35,13 @@ class TaskEval:
     rewards (health.eval_regression; for 0/1 scores it equals the binomial one)."""
     samples: list[tuple[str, str]] = field(default_factory=list)
     """The first few (prompt, greedy completion) pairs, for printing."""
+    tool_call_frac: float | None = None
+    """An agent task's share of episodes that called a tool at least once; None for a task
+    without tools (and one whose `rollout_func` samples the episodes)."""
 
     def as_metrics(self, task: str) -> dict[str, float]:
         return {names.eval_metric(task, k): v for k, v in asdict(self).items()
-                if k not in ("reward", "samples")}
+                if k not in ("reward", "samples") and v is not None}
 
 
 class Processes(Protocol):
@@ -74,25 +79,22 @@ def _evaluate(ctx: TrainContext, batch_size: int, samples: int, step: int,
         mine = list(range(len(examples)))
         if processes is not None:
             mine = processes.shard(mine)
-        rows: list[tuple[int, float, int, bool, str, str]] = []  # index, score, length, cut, ...
+        rows: list[tuple] = []  # index, score, length, cut, prompt, completion, tool calls
         for start in range(0, len(mine), batch_size):
             indexes = mine[start:start + batch_size]
             chunk = [examples[i] for i in indexes]
-            texts, add_special = render_prompts(ctx, [(t, ex) for ex in chunk])
-            with ctx.precision.autocast():  # as the training rollout decodes
-                rollout = generate_rollout(
-                    ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
-                    max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
-                    engine=ctx.engine, plain_max_bytes=ctx.plain_max_bytes,
-                )
+            texts, rollout = _greedy_rollout(ctx, t, chunk, greedy)
             values = score_examples([fn], chunk, rollout.texts, rollout.completion_ids,
                                     rollout.lengths.tolist(), rollout.truncated.tolist(),
-                                    trainer_state=state)
+                                    trainer_state=state, extra_columns=reward_extras(
+                                        task, rollout, list(range(len(chunk))), chunk))
+            calls = [sum(e.calls.values()) if e is not None else None
+                     for e in rollout.episodes or [None] * len(chunk)]
             rows.extend(zip(indexes, values[:, 0].tolist(), rollout.lengths.tolist(),
-                            rollout.truncated.tolist(), texts, rollout.texts, strict=True))
+                            rollout.truncated.tolist(), texts, rollout.texts, calls, strict=True))
         if processes is not None:
             rows = sorted(row for part in processes.gather(rows) for row in part)
-        _, values, lengths, truncated, prompts, completions = zip(*rows, strict=True)
+        _, values, lengths, truncated, prompts, completions, calls = zip(*rows, strict=True)
         scores = [v for v in values if not math.isnan(v)]
         mean = sum(scores) / len(scores) if scores else float("nan")
         results[task.name] = TaskEval(
@@ -104,8 +106,27 @@ def _evaluate(ctx: TrainContext, batch_size: int, samples: int, step: int,
             score_std=math.sqrt(sum((v - mean) ** 2 for v in scores) / len(scores))
             if scores else float("nan"),
             samples=list(zip(prompts, completions, strict=True))[:samples],
+            tool_call_frac=(sum(c > 0 for c in calls) / len(calls)
+                            if all(c is not None for c in calls) else None),
         )
     return results
+
+
+def _greedy_rollout(ctx: TrainContext, t: int, chunk: list[Example], greedy: SamplingSettings
+                    ) -> tuple[list[str], Rollout]:
+    """The prompts' texts and their greedy completions; an agent task's are episodes, its
+    tools called between the turns as in training (a `rollout_func` samples as it likes)."""
+    cfg, task = ctx.config, ctx.tasks[t]
+    texts, add_special = render_prompts(ctx, [(t, ex) for ex in chunk])
+    with ctx.precision.autocast():  # as the training rollout decodes
+        if task.agent is not None:
+            return texts, agent_rollout(ctx, task, chunk, num_generations=1,
+                                        record_logprobs=False, sampling=greedy)
+        return texts, generate_rollout(
+            ctx.policy, ctx.tokenizer, texts, greedy, num_generations=1,
+            max_prompt_length=cfg.rollout.prompt_length, add_special_tokens=add_special,
+            engine=ctx.engine, plain_max_bytes=ctx.plain_max_bytes,
+        )
 
 
 def _initials(tasks: list[str]) -> list[str]:
@@ -124,7 +145,9 @@ def format_quick_eval(step: int | str, evals: dict[str, dict[str, float]],
         [QuickEval@20] greedy   fairness 0.452  hallucination 0.497
           truncated  F 0.0%  H 0.0%  | length  F 64.5  H 51.4
           KL         F 0.035 H 0.095 | beta    F 0.1000 H 0.3000
-    """
+
+    and, where a task calls tools, the share of its episodes that called one
+    (`  tool call  F - H 100.0%`)."""
     tasks = list(evals)
     short = dict(zip(tasks, _initials(tasks), strict=True))
 
@@ -135,10 +158,13 @@ def format_quick_eval(step: int | str, evals: dict[str, dict[str, float]],
     scores = "  ".join(f"{t} {evals[t]['score']:.3f}" for t in tasks)
     truncated = row({t: evals[t]["truncated_frac"] for t in tasks}, ".1%")
     length = row({t: evals[t]["mean_length"] for t in tasks}, ".1f")
+    calls = {t: evals[t]["tool_call_frac"] for t in tasks
+             if evals[t].get("tool_call_frac") is not None}
     return (
         f"[QuickEval@{step}] greedy   {scores}\n"
         f"  truncated  {truncated} | length  {length}\n"
         f"  KL         {row(kl, '.3f')} | beta    {row(beta, '.4f')}"
+        + (f"\n  tool call  {row(calls, '.1%')}" if calls else "")
     )
 
 
@@ -180,7 +206,7 @@ class QuickEval:
         for name, r in results.items():
             for prompt, completion in r.samples:
                 log.info("  [%s] %s\n    -> %s", name, prompt.replace("\n", " ")[-120:], completion)
-        record = {n: {k: v for k, v in asdict(r).items() if k != "samples"}
+        record = {n: {k: v for k, v in asdict(r).items() if k != "samples" and v is not None}
                   for n, r in results.items()}
         self.records.append({"step": step, "tag": tag, **record})
         self.writer.write(self.records[-1])

@@ -46,6 +46,19 @@ def _check_messages(messages: list[Any]) -> list[dict[str, str]]:
     return messages
 
 
+def chat_messages(prompt: str | list[dict[str, str]], system_prompt: str | None = None
+                  ) -> list[dict[str, str]]:
+    """The messages a chat template renders for `prompt`: a text becomes one user message;
+    `system_prompt` goes first unless the messages already start with a system message."""
+    if isinstance(prompt, str):
+        messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
+    else:
+        messages = list(_check_messages(prompt))
+    if system_prompt and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase,
     prompt: str | list[dict[str, str]],
@@ -77,21 +90,16 @@ def render_prompt(
             "the task has tools but no chat template is in use: the template renders the tools "
             "and their results; set model.chat_template to a template that supports tool calls"
         )
-    if isinstance(prompt, str):
-        if not use:
-            text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
-            return text, True
-        messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
-    else:
-        if not use:
-            raise ModelError(
-                "the prompt is a list of chat messages but no chat template is in use "
-                f"(tokenizer {getattr(tokenizer, 'name_or_path', '')!r}); set model.chat_template "
-                "(or model.use_chat_template: true if the tokenizer has one) or give plain-text prompts"
-            )
-        messages = list(_check_messages(prompt))
-    if system_prompt and (not messages or messages[0]["role"] != "system"):
-        messages.insert(0, {"role": "system", "content": system_prompt})
+    if isinstance(prompt, str) and not use:
+        text = f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+        return text, True
+    if not use:
+        raise ModelError(
+            "the prompt is a list of chat messages but no chat template is in use "
+            f"(tokenizer {getattr(tokenizer, 'name_or_path', '')!r}); set model.chat_template "
+            "(or model.use_chat_template: true if the tokenizer has one) or give plain-text prompts"
+        )
+    messages = chat_messages(prompt, system_prompt)
     extra = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **extra)

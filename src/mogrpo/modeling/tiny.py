@@ -96,11 +96,17 @@ ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config
                  "gemma": (GemmaConfig, GemmaForCausalLM)}
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
-    """Train a deterministic byte-level BPE tokenizer on `texts` and wrap it for transformers."""
+def train_tokenizer(texts: list[str], vocab_size: int, max_length: int,
+                    split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """Train a deterministic byte-level BPE tokenizer on `texts` and wrap it for transformers;
+    `split_digits`: every digit a token of its own, as Qwen2's and Llama 3's tokenizers have
+    them (a number is then copied digit by digit)."""
     tok = Tokenizer(models.BPE())
     # Byte-level: every string (Chinese included) encodes without an unknown token.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level]) if split_digits \
+        else byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -133,8 +139,10 @@ def build_tiny_model(
     num_heads: int = 4,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
+    split_digits: bool = False,
 ) -> Path:
-    """Build, save and return the directory of a tiny random causal LM plus tokenizer.
+    """Build, save and return the directory of a tiny random causal LM plus tokenizer
+    (`split_digits`: one token per digit, see `train_tokenizer`).
 
     Same `texts`, `seed` and sizes give identical weights and an identical tokenizer.json.
     """
@@ -155,7 +163,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(text_list, vocab_size, max_position_embeddings)
+    tokenizer = train_tokenizer(text_list, vocab_size, max_position_embeddings, split_digits)
     pad_id, eos_id, eot_id = tokenizer.convert_tokens_to_ids([PAD, EOS, EOT])
 
     config_cls, model_cls = ARCHITECTURES[arch]

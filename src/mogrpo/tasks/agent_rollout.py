@@ -16,7 +16,7 @@ from mogrpo.data.schema import Example
 from mogrpo.modeling.chat import render_prompt
 from mogrpo.rollout.custom import rollout_from_output
 from mogrpo.rollout.episodes import ToolLoop, generate_episodes
-from mogrpo.rollout.generate import Rollout, resolve_stop_ids
+from mogrpo.rollout.generate import Rollout, SamplingSettings, resolve_stop_ids
 from mogrpo.tasks.agents import start_episodes, with_observation
 from mogrpo.tasks.context import TrainContext
 from mogrpo.tasks.task import Task
@@ -25,9 +25,11 @@ from mogrpo.tracking import names
 
 def agent_rollout(ctx: TrainContext, task: Task, examples: list[Example], *,
                   num_generations: int, record_logprobs: bool,
-                  generation_batch_size: int | None = None) -> Rollout:
+                  generation_batch_size: int | None = None,
+                  sampling: SamplingSettings | None = None) -> Rollout:
     """K episodes of each example of `task` (an agent task), row `i * K + k`, each with an
-    environment of its own; `generation_batch_size`: rows decoded together (None: all)."""
+    environment of its own; `generation_batch_size`: rows decoded together (None: all);
+    `sampling`: the settings of the turns (None: the run's; the eval's are greedy)."""
     agent, tc, rc = task.agent, task.config, ctx.config.rollout
     assert agent is not None
     rows = [ex for ex in examples for _ in range(num_generations)]
@@ -46,7 +48,8 @@ def agent_rollout(ctx: TrainContext, task: Task, examples: list[Example], *,
     loop = ToolLoop(started.tools, tc.tool_call_format, tc.max_tool_calling_iterations,
                     tc.tool_timeout_s)
     rollout = generate_episodes(
-        ctx.policy, ctx.tokenizer, texts, ctx.sampling, loop, num_generations=num_generations,
+        ctx.policy, ctx.tokenizer, texts, sampling or ctx.sampling, loop,
+        num_generations=num_generations,
         max_prompt_length=rc.prompt_length, add_special_tokens=add_special, engine=ctx.engine,
         generation_batch_size=generation_batch_size, record_logprobs=record_logprobs,
         plain_max_bytes=ctx.plain_max_bytes)

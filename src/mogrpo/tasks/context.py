@@ -53,7 +53,9 @@ class TrainContext:
 
 
 def render_prompts(ctx: TrainContext, picks: list[tuple[int, Example]]) -> tuple[list[str], bool]:
-    """Prompt texts ready to tokenize, and whether the tokenizer should add special tokens."""
+    """Prompt texts ready to tokenize, and whether the tokenizer should add special tokens; an
+    agent task's list its tools (an environment's `reset` text is not added: it needs the
+    episode's instance)."""
     texts, add_special = [], True
     for t, example in picks:
         text, add_special = render_prompt(
@@ -61,6 +63,16 @@ def render_prompts(ctx: TrainContext, picks: list[tuple[int, Example]]) -> tuple
             example.prompt,
             system_prompt=ctx.tasks[t].config.system_prompt,
             use_chat_template=ctx.config.model.use_chat_template,
+            tools=tools_of(ctx.tasks[t], example),
         )
         texts.append(text)
     return texts, add_special
+
+
+def tools_of(task: Task, example: Example) -> list[dict[str, Any]] | None:
+    """The schemas of the tools an agent task's prompt lists for `example` (its own, its
+    environment's methods), as its episodes see them; None for a task without tools."""
+    agent = task.agent
+    if agent is None or not (agent.tools or agent.environments):
+        return None
+    return agent.schemas(agent.environment_of(example))

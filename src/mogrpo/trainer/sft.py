@@ -1,16 +1,25 @@
-"""Supervised warm-up: teach the answer format on the tasks' targets before GRPO."""
+"""Supervised warm-up: teach the answer format on the tasks' targets before GRPO.
+
+An agent task's warm-up teaches its episodes: the prompt lists the task's tools as its
+rollouts' prompts do, and a target given as chat messages (assistant turns with
+`tool_calls`, `tool` results) trains on the assistant turns only, the inserted text masked
+as in the episode's training mask."""
 
 from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedTokenizerBase
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError
-from mogrpo.tasks.context import TrainContext, render_prompts
+from mogrpo.modeling.chat import chat_messages
+from mogrpo.tasks.context import TrainContext, render_prompts, tools_of
+from mogrpo.tasks.task import Task
 from mogrpo.templates import placeholders
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
@@ -56,34 +65,112 @@ def sft_target(example: Example, template: str | None, task: str) -> str:
     )
 
 
-def build_sft_examples(ctx: TrainContext) -> list[tuple[list[int], int]]:
-    """(token ids, index where the target starts) per example, tasks interleaved."""
+def conversation_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                        completion: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        stop_texts: list[str], where: str) -> list[tuple[str, bool]]:
+    """The text after the prompt `messages` of a conversational `completion` (TRL's
+    prompt-completion form: assistant turns, their `tool_calls`, `tool` results), cut as an
+    episode's `generated_mask` cuts it: (text, True) for what the policy writes — each
+    assistant turn up to and including its stop token — and (text, False) for what is
+    inserted for it: tool results and the template's text between turns."""
+    extra = {"tools": tools} if tools else {}
+
+    def render(history: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return str(tokenizer.apply_chat_template(history, tokenize=False, **extra,
+                                                 add_generation_prompt=generation_prompt))
+
+    if not completion or completion[-1].get("role") != "assistant":
+        raise ConfigError(f"{where}: a conversational completion must end with an assistant "
+                          "message (the final answer)")
+    history, pieces, i = list(messages), [], 0
+    done = render(history, True)
+    while i < len(completion):
+        turn = completion[i].get("role") == "assistant"
+        # a round of tool results renders as one block (Qwen2.5's template joins them)
+        while i < len(completion) and (completion[i].get("role") == "assistant") == turn:
+            history.append(completion[i])
+            i += 1
+            if turn:
+                break
+        text = render(history, not turn)
+        if not text.startswith(done):
+            raise ConfigError(f"{where}: the chat template renders the conversation differently "
+                              "once more messages follow; mogrpo cannot tell the turns apart")
+        piece, done = text[len(done):], text
+        if not turn:
+            pieces.append((piece, False))
+            continue
+        cut = max((piece.rfind(s) + len(s) for s in stop_texts if s and s in piece), default=-1)
+        if cut < 0:
+            raise ConfigError(f"{where}: the chat template ends an assistant turn without a stop "
+                              f"token ({stop_texts}); the policy would not learn to end its turns")
+        pieces += [(piece[:cut], True), (piece[cut:], False)]
+    return pieces
+
+
+def _target(ctx: TrainContext, task: Task, example: Example) -> tuple[list[int], list[int]]:
+    """The example's target ids (after its prompt's) and which of them train (1)."""
+    tok = ctx.tokenizer
+    completion = example.columns.get("completion")
+    if not isinstance(completion, list):
+        text = sft_target(example, task.config.sft_target, task.name)
+        target = tok(text, add_special_tokens=False)["input_ids"] + [ctx.stop_token_ids[0]]
+        return target, [1] * len(target)
+    pieces = conversation_pieces(
+        tok, chat_messages(example.prompt, task.config.system_prompt), completion,
+        tools_of(task, example), [tok.decode([i]) for i in ctx.stop_token_ids],
+        f"tasks.{task.name}: {example.source}: completion")
+    ids, trained = [], []
+    pieces = _merged(pieces)
+    if pieces and not pieces[-1][1]:  # the episode ends at the last turn's stop token
+        pieces.pop()
+    for text, train in pieces:  # inserted text tokenized as an episode inserts it
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        trained += [int(train)] * len(piece)
+    return ids, trained
+
+
+def _merged(pieces: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    out: list[tuple[str, bool]] = []
+    for text, train in pieces:
+        if out and out[-1][1] == train:
+            out[-1] = (out[-1][0] + text, train)
+        elif text:
+            out.append((text, train))
+    return out
+
+
+def build_sft_examples(ctx: TrainContext) -> list[tuple[list[int], list[int]]]:
+    """(token ids, 1 where a token is a target the loss counts) per example, tasks
+    interleaved. A `completion` column of chat messages (TRL's conversational form, tool calls
+    and results included) trains on the assistant turns only."""
     cfg = ctx.config
     tok = ctx.tokenizer
-    end = ctx.stop_token_ids[0]
-    out: list[tuple[list[int], int]] = []
+    out: list[tuple[list[int], list[int]]] = []
     for t, task in enumerate(ctx.tasks):
         examples = task.train[: cfg.sft.max_examples] if cfg.sft.max_examples else task.train
         texts, add_special = render_prompts(ctx, [(t, ex) for ex in examples])
         for text, example in zip(texts, examples, strict=True):
             prompt = tok(text, add_special_tokens=add_special)["input_ids"]
-            target = tok(sft_target(example, task.config.sft_target, task.name),
-                         add_special_tokens=False)["input_ids"] + [end]
+            target, trained = _target(ctx, task, example)
             prompt = prompt[-max(1, cfg.sft.max_length - len(target)):]
-            out.append(((prompt + target)[: cfg.sft.max_length], len(prompt)))
+            ids = (prompt + target)[: cfg.sft.max_length]
+            out.append((ids, ([0] * len(prompt) + trained)[: len(ids)]))
     random.Random(cfg.seed).shuffle(out)
     return out
 
 
-def _collate(items: list[tuple[list[int], int]], pad_id: int, device: torch.device):
+def _collate(items: list[tuple[list[int], list[int]]], pad_id: int, device: torch.device):
     width = max(len(ids) for ids, _ in items)
     input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(items), width), dtype=torch.long)
     labels = torch.full((len(items), width), -100, dtype=torch.long)
-    for i, (ids, start) in enumerate(items):
+    for i, (ids, trained) in enumerate(items):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
-        labels[i, start: len(ids)] = torch.tensor(ids[start:])  # loss on the target only
+        row = torch.tensor(ids)
+        labels[i, : len(ids)] = row.masked_fill(torch.tensor(trained) == 0, -100)  # targets only
     return input_ids.to(device), attention.to(device), labels.to(device)
 
 

@@ -1,0 +1,54 @@
+"""examples/agent_calculator.py: its data is what its generator writes, its rewards score an
+episode's text as documented, and its config is the one the benchmark runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def _example():
+    sys.path.insert(0, str(EXAMPLES))
+    sys.path.insert(0, str(EXAMPLES / "agent_calculator"))
+    try:
+        import agent_calculator
+        import tools
+    finally:
+        sys.path[:2] = []
+    return agent_calculator, tools
+
+
+def test_the_shipped_rows_are_the_generator_s():
+    example, _ = _example()
+    shipped = [json.loads(line) for line in example.DATA.read_text().splitlines()]
+    assert shipped == example.sums()
+    assert len(shipped) == 512 and len({r["prompt"][0]["content"] for r in shipped}) == 512
+    by_memory = sum(len(r["completion"]) == 1 for r in shipped) / len(shipped)
+    assert abs(by_memory - example.FROM_MEMORY) < 0.05
+
+
+def test_the_rewards_read_the_episode_s_text():
+    _, tools = _example()
+    assert tools.calculator("(3 + 4) * 5") == "35"
+    called = ('<tool_call>{"name": "calculator", "arguments": {"expression": "(3 + 4) * 5"}}'
+              "</tool_call>\n<tool_response>35</tool_response>\n35")
+    misread = called.replace("\n35", "\n36")
+    guessed = "The answer is 35."
+    wrong_call = called.replace("<tool_response>35", "<tool_response>34")
+    episodes = [[{"role": "assistant", "content": t}]
+                for t in (called, misread, guessed, wrong_call)]
+    answers = ["35"] * 4
+    assert tools.correct(None, episodes, answers) == [1.0, 0.0, 1.0, 1.0]
+    assert tools.calculator_call(None, episodes, answers) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_the_tokenizer_corpus_is_the_rendered_episodes():
+    example, _ = _example()
+    rows = example.sums()[:40]
+    called = next(r for r in rows if len(r["completion"]) == 3)
+    text = example.tokenizer_corpus([called])[0]
+    assert text.startswith("<|system|>\nTools: calculator(expression).")
+    assert f"<tool_response>{called['answer']}</tool_response>" in text
