@@ -54,6 +54,8 @@ def summarize_run(record: dict[str, Any], warmup: int) -> dict[str, Any]:
         "step_ms": 1000 * statistics.median(steps),
         "cpu_ms": 1000 * statistics.median(cpu),
         "generation_share": sum(gen) / sum(steps),
+        # the rest of a step: reward, reference pass, policy forward and backward, optimizer
+        "rest_ms": 1000 * statistics.median(s - g for s, g in zip(steps, gen, strict=True)),
         "completion_tokens_per_s": sum(tokens) / sum(gen),
         "peak_rss_mib": record["peak_rss_mib"],
         "final_reward": statistics.fmean(curve[-FINAL_STEPS:]) if curve else float("nan"),
@@ -69,7 +71,8 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [t["step_ms"] / m["step_ms"] for t, m in zip(trl, mog, strict=True)]
     cpu_ratios = [t["cpu_ms"] / m["cpu_ms"] for t, m in zip(trl, mog, strict=True)]
     keys = ("step_ms", "cpu_ms", "generation_share", "completion_tokens_per_s", "peak_rss_mib",
-            "final_reward")
+            "final_reward", "rest_ms")
+    rest = [t["rest_ms"] / m["rest_ms"] for t, m in zip(trl, mog, strict=True)]
     return {
         "trl": {k: statistics.median(s[k] for s in trl) for k in keys},
         "mogrpo": {k: statistics.median(s[k] for s in mog) for k in keys},
@@ -81,6 +84,9 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_ratio": statistics.median(cpu_ratios),
         "cpu_ratio_min": min(cpu_ratios),
         "cpu_ratio_max": max(cpu_ratios),
+        "rest_ratio": statistics.median(rest),
+        "rest_ratio_min": min(rest),
+        "rest_ratio_max": max(rest),
         "repeats": len(pairs),
         "prompts_match": all(p["prompts_match"] for p in pairs),
     }
@@ -90,9 +96,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     """The table of every (size, mode): TRL vs mogrpo."""
     head = ("| model | mode | runs | TRL step | mogrpo step | mogrpo / TRL steps/s (min–max) "
             "| CPU per step TRL / mogrpo | mogrpo / TRL by CPU time (min–max) "
-            "| generation share TRL / mogrpo | completion tok/s TRL / mogrpo "
-            "| peak RSS TRL / mogrpo | final reward TRL / mogrpo |")
-    rows = [head, "|---" * 12 + "|"]
+            "| generation share TRL / mogrpo | rest of the step TRL / mogrpo (ratio, min–max) "
+            "| completion tok/s TRL / mogrpo | peak RSS TRL / mogrpo | final reward TRL / mogrpo |")
+    rows = [head, "|---" * 13 + "|"]
     for entry in results["entries"]:
         s, t, m = entry["summary"], entry["summary"]["trl"], entry["summary"]["mogrpo"]
         rows.append(
@@ -103,8 +109,19 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"| {t['cpu_ms']:.0f} / {m['cpu_ms']:.0f} ms "
             f"| **{s['cpu_ratio']:.2f}×** ({s['cpu_ratio_min']:.2f}–{s['cpu_ratio_max']:.2f}) "
             f"| {t['generation_share']:.0%} / {m['generation_share']:.0%} "
+            f"| {_rest(s)} "
             f"| {t['completion_tokens_per_s']:.0f} / {m['completion_tokens_per_s']:.0f} "
             f"| {t['peak_rss_mib']:.0f} / {m['peak_rss_mib']:.0f} MiB "
             f"| {t['final_reward']:.3f} / {m['final_reward']:.3f} |"
         )
     return "\n".join(rows)
+
+
+def _rest(s: dict[str, Any]) -> str:
+    """The step without generation, TRL's and mogrpo's, and TRL's ÷ mogrpo's per pair (older
+    results, written before it was recorded: a dash)."""
+    t, m = s["trl"], s["mogrpo"]
+    if "rest_ratio" not in s:
+        return "–"
+    return (f"{t['rest_ms']:.0f} / {m['rest_ms']:.0f} ms ({s['rest_ratio']:.2f}×, "
+            f"{s['rest_ratio_min']:.2f}–{s['rest_ratio_max']:.2f})")

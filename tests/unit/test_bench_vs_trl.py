@@ -64,12 +64,13 @@ def test_run_figures_leave_out_the_warmup(bench):
     assert s["completion_tokens_per_s"] == pytest.approx(450 / 0.45)
     assert s["final_reward"] == pytest.approx(0.4)  # mean of the last 5 steps
     assert s["timed_steps"] == 3
+    assert s["rest_ms"] == pytest.approx(150.0)  # median of 0.1, 0.2, 0.15 s without generation
 
 
 def test_ratio_is_trl_time_over_mogrpo_time_per_pair(bench):
     def side(ms: float, cpu_ms: float = 100.0) -> dict:
         return {"summary": {"step_ms": ms, "cpu_ms": cpu_ms, "generation_share": 0.5, "completion_tokens_per_s": 1.0,
-                            "peak_rss_mib": 1.0, "final_reward": 0.0}}
+                            "peak_rss_mib": 1.0, "final_reward": 0.0, "rest_ms": ms / 2}}
 
     pairs = [{"trl": side(300, 120), "mogrpo": side(100), "prompts_match": True},
              {"trl": side(200), "mogrpo": side(200), "prompts_match": True},
@@ -80,6 +81,10 @@ def test_ratio_is_trl_time_over_mogrpo_time_per_pair(bench):
     assert s["trl"]["step_ms"] == 300 and s["mogrpo"]["step_ms"] == 150
     assert s["cpu_ratios"] == pytest.approx([1.2, 1.0, 1.0]) and s["cpu_ratio"] == 1.0
     assert s["prompts_match"] is False
+    assert (s["rest_ratio"], s["rest_ratio_min"], s["rest_ratio_max"]) == pytest.approx((2.2, 1.0, 3.0))
+    table = bench["summary"].markdown_table(
+        {"entries": [{"size": "small", "mode": "full", "params": 1e6, "steps": 5, "summary": s}]})
+    assert "| 150 / 75 ms (2.20×, 1.00–3.00) |" in table
 
 
 def test_mogrpo_config_is_valid_and_matches_the_shared_settings(bench, tmp_path):
