@@ -3,10 +3,12 @@
     python benchmarks/profile_step.py --size small --mode full
     python benchmarks/profile_step.py --size medium --mode lora --cprofile runs/prof.txt
 
-Runs `mogrpo train` on the vs_trl benchmark's model, prompts and settings (1 torch thread),
-with the trainer's phases and the update's parts wrapped in CPU-time counters
-(`time.process_time`). Prints the median CPU time per step of each phase over the steps after
-the warm-up; `--cprofile FILE` also writes cProfile's cumulative listing of the timed steps.
+Runs `mogrpo train` on the vs_trl benchmark's model, prompts and settings (`--threads`, 1 by
+default), with the trainer's phases and the update's parts wrapped in time counters: CPU time
+(`time.process_time`) with one thread, wall time with more (CPU time then sums the threads).
+Prints the median time per step of each phase over the steps after the warm-up; `--cprofile FILE` also writes cProfile's cumulative listing of the timed steps.
+`--trl` then runs TRL's GRPOTrainer on the same model, prompts and threads
+(`vs_trl/trl_worker.py --phases`) and prints its phases (wall time) beside them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import argparse
 import cProfile
 import io
 import pstats
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -34,8 +39,8 @@ PHASES = [  # (label, module path, attribute): the trainer's phases, then the up
     ("advantages", "mogrpo.trainer.grpo.GRPOTrainer", "advantages"),
     ("reference forward", "mogrpo.trainer.grpo.GRPOTrainer", "reference_logprobs"),
     ("update", "mogrpo.trainer.grpo.GRPOTrainer", "update"),
-    ("  log-prob forwards (policy, ref)", "mogrpo.trainer.grpo", "completion_logprobs"),
-    ("  loss", "mogrpo.trainer.grpo", "grpo_loss"),
+    ("  log-prob forwards (policy, ref)", "mogrpo.trainer.update", "completion_logprobs"),
+    ("  loss", "mogrpo.trainer.update", "grpo_loss"),
     ("  backward", "torch.Tensor", "backward"),
     ("  grad clip", "torch.nn.utils", "clip_grad_norm_"),
 ]
@@ -49,15 +54,18 @@ def _resolve(path: str):
     return __import__(path, fromlist=["_"])
 
 
+CLOCK = time.process_time  # wall time (time.perf_counter) with several threads
+
+
 def _wrap(owner, attr: str, label: str, spent: dict[str, float]) -> None:
     original = getattr(owner, attr)
 
     def timed(*args, **kwargs):
-        start = time.process_time()
+        start = CLOCK()
         try:
             return original(*args, **kwargs)
         finally:
-            spent[label] += time.process_time() - start
+            spent[label] += CLOCK() - start
 
     setattr(owner, attr, timed)
 
@@ -70,8 +78,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("runs/profile_step"))
     parser.add_argument("--cprofile", type=Path, default=None)
+    parser.add_argument("--trl", action="store_true",
+                        help="then profile TRL's step on the same model, prompts and threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1; vs_trl's default is the cores)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.threads == 1 else time.perf_counter
     settings = workload.Settings()
     model_dir = args.work / "models" / args.size
     if not (model_dir / "config.json").exists():
@@ -97,9 +111,9 @@ def main() -> None:
         on = profiler is not None and self.step >= args.warmup
         if on:
             profiler.enable()
-        start = time.process_time()
+        start = CLOCK()
         metrics = train_step(self)
-        spent["step"] = time.process_time() - start
+        spent["step"] = CLOCK() - start
         if on:
             profiler.disable()
         per_step.append(dict(spent))
@@ -109,17 +123,42 @@ def main() -> None:
     mogrpo_main(["train", str(path)])
     timed_steps = per_step[args.warmup:]
     step = statistics.median(s["step"] for s in timed_steps)
-    print(f"{args.size} {args.mode}: median CPU per step {step * 1000:.1f} ms "
+    clock = "CPU" if args.threads == 1 else f"wall ({args.threads} threads)"
+    print(f"{args.size} {args.mode}: median {clock} per step {step * 1000:.1f} ms "
           f"over {len(timed_steps)} steps")
     labels = [label for label, _, _ in PHASES] + ["  optimizer"]
     for label in labels:
         ms = statistics.median(s.get(label, 0.0) for s in timed_steps) * 1000
         print(f"{label:32s} {ms:8.1f} ms  {ms / step / 10:5.1f}%")
+    if args.trl:
+        trl_phases(args, model_dir, settings)
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(80)
         args.cprofile.parent.mkdir(parents=True, exist_ok=True)
         args.cprofile.write_text(out.getvalue(), encoding="utf-8")
+
+
+def trl_phases(args: argparse.Namespace, model_dir: Path, settings: workload.Settings) -> None:
+    """TRL's step on the same model and prompts (mogrpo's draw order), wall time per phase."""
+    rows = workload.prompt_rows(settings.seed)
+    order = workload.write_prompts(args.work / f"order-{args.steps}.jsonl",
+                                   workload.mogrpo_order(rows, args.steps, settings))
+    out = args.work / "trl-phases.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "MKL_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run([sys.executable, str(HERE / "vs_trl" / "trl_worker.py"), "--model",
+                    str(model_dir), "--prompts", str(order), "--steps", str(args.steps),
+                    "--mode", args.mode, "--out", str(out), "--phases"], check=True, env=env)
+    record = json.loads(out.read_text(encoding="utf-8"))
+    steps = record["step_s"][args.warmup:]
+    phases = record["phases"][args.warmup:]
+    print(f"TRL {args.size} {args.mode}: median wall per step "
+          f"{statistics.median(steps) * 1000:.1f} ms over {len(steps)} steps")
+    for label in dict.fromkeys(k for p in phases for k in p):
+        ms = statistics.median(p.get(label, 0.0) for p in phases) * 1000
+        print(f"{label:32s} {ms:8.1f} ms")
 
 
 if __name__ == "__main__":

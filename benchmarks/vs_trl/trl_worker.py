@@ -1,11 +1,14 @@
 """One TRL GRPOTrainer run of the benchmark, in its own process (started by run.py).
 
     python benchmarks/vs_trl/trl_worker.py --model DIR --prompts ORDER.jsonl --steps N \
-        --mode full|lora --out RESULT.json [--device cpu|cuda]
+        --mode full|lora --out RESULT.json [--device cpu|cuda] [--phases]
 
 Writes per-step wall and CPU times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
 tokenize, `model.generate`, decode — what mogrpo's `time/rollout_s` covers) and completion
-token counts. Rewards come from the shared reward log (see arith_rewards.py).
+token counts. Rewards come from the shared reward log (see arith_rewards.py). `--phases` also
+writes each step's wall time per phase (`PHASES`: generation, rewards, the reference pass, the
+policy's forward and loss, backward, clipping, the optimizer), to set beside
+`benchmarks/profile_step.py`'s figures for mogrpo.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import arith_rewards
 from workload import Settings
 
 
+PHASES = ("generation", "reward", "reference forward", "policy forward + loss", "backward",
+          "grad clip", "optimizer")
+
+
 class StepTimer:
     """Times each optimizer step and the generation inside it."""
 
@@ -30,6 +37,8 @@ class StepTimer:
         self.cpu_s: list[float] = []
         self.generation_s: list[float] = []
         self.completion_tokens: list[int] = []
+        self.phases: list[dict[str, float]] = []  # per step, with --phases
+        self._spent: dict[str, float] = {}
         self._start = self._cpu_start = 0.0
 
     @staticmethod
@@ -47,10 +56,38 @@ class StepTimer:
             start = time.perf_counter()
             out = original(prompts)
             self.generation_s.append(time.perf_counter() - start)
+            self._spent["generation"] = self.generation_s[-1]
             self.completion_tokens.append(sum(len(ids) for ids in out[1]))  # completion_ids
             return out
 
         trainer._generate = timed
+
+    def wrap_phases(self, trainer: Any) -> None:
+        """Time the parts of TRL's step (wall): its methods on this trainer, and PyTorch's
+        backward, clipping and AdamW step, which every trainer calls."""
+        import torch
+
+        def timed(owner: Any, attr: str, label: Any) -> None:
+            original = getattr(owner, attr)
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    name = label() if callable(label) else label
+                    self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - start
+
+            setattr(owner, attr, run)
+
+        # the reference pass runs without gradients, the policy's inside _compute_loss
+        timed(trainer, "_get_per_token_logps_and_entropies",
+              lambda: "policy forward" if torch.is_grad_enabled() else "reference forward")
+        timed(trainer, "_calculate_rewards", "reward")
+        timed(trainer, "_compute_loss", "policy forward + loss")
+        timed(torch.Tensor, "backward", "backward")
+        timed(torch.nn.utils, "clip_grad_norm_", "grad clip")
+        timed(torch.optim.AdamW, "step", "optimizer")
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -59,12 +96,14 @@ class StepTimer:
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                timer._spent = {}
                 timer._start, timer._cpu_start = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 timer.synchronize()  # a GPU's queued work belongs to this step
                 timer.step_s.append(time.perf_counter() - timer._start)
                 timer.cpu_s.append(time.process_time() - timer._cpu_start)
+                timer.phases.append(dict(timer._spent))
 
         return _Callback()
 
@@ -122,6 +161,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=["full", "lora"], required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--phases", action="store_true", help="time each phase of a step")
     args = parser.parse_args()
 
     import torch
@@ -152,12 +192,15 @@ def main() -> None:
             callbacks=[timer.callback()],
         )
         timer.wrap_generate(trainer)
+        if args.phases:
+            timer.wrap_phases(trainer)
         trainer.train()
     args.out.write_text(json.dumps({
         "step_s": timer.step_s,
         "cpu_s": timer.cpu_s,
         "generation_s": timer.generation_s,
         "completion_tokens": timer.completion_tokens,
+        **({"phases": timer.phases} if args.phases else {}),
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }), encoding="utf-8")
 

@@ -16,6 +16,7 @@ import mogrpo.algo.head_logprobs as chunked
 import mogrpo.algo.logprobs as logprobs
 from grpo_batch import shared_prompt_batch
 from mogrpo.algo.head_logprobs import OutputHead, head_logprobs
+from mogrpo.algo.products import Products
 from mogrpo.algo.logprobs import completion_logprobs, output_head, token_logprobs_and_entropy
 from mogrpo.modeling.dropout import disable_dropout
 
@@ -35,14 +36,17 @@ def _reference(hidden, weight, bias, targets, temperature, softcap=None):
     return logp[0], entropy[0]
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("temperature", "softcap", "bias"),
                          [(1.0, None, False), (0.7, None, True), (1.3, 2.0, True)])
 def test_chunks_give_the_full_logits_values_and_gradients(dtype, temperature, softcap, bias,
-                                                          monkeypatch):
+                                                          one_chunk, monkeypatch):
+    """Several chunks (the backward computes them again) or one (its softmax kept)."""
     torch.manual_seed(0)
     N, H, vocab = 23, 16, 97
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 5 * vocab * 8)  # 5 or 10 tokens a chunk
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", N * vocab * 8 if one_chunk
+                        else 5 * vocab * 8)  # 5 or 10 tokens a chunk
     hidden = (torch.randn(N, H) * 2).to(dtype)
     weight, b = torch.randn(vocab, H).to(dtype), torch.randn(vocab).to(dtype) if bias else None
     targets = torch.randint(0, vocab, (N,))
@@ -68,9 +72,10 @@ def _head(weight, bias=None, softcap=None) -> OutputHead:
     return OutputHead(layer, softcap)
 
 
-def test_only_hidden_states_targets_and_logsumexp_are_kept_for_the_backward():
+def test_only_hidden_states_targets_and_logsumexp_are_kept_for_the_backward(monkeypatch):
     torch.manual_seed(0)
     N, H, vocab = 40, 8, 5000
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * vocab * 4)  # 16 tokens a chunk: 3 chunks
     layer = torch.nn.Linear(H, vocab, bias=False)
     hidden = torch.randn(N, H, requires_grad=True)
     targets = torch.randint(0, vocab, (N,))
@@ -79,6 +84,29 @@ def test_only_hidden_states_targets_and_logsumexp_are_kept_for_the_backward():
     assert sorted(saved.values()) == [N * 4, N * 8, N * H * 4]  # logsumexp, targets, hidden
     full = _saved_storages(lambda: _reference(hidden, layer.weight, None, targets, 0.8)[0])
     assert max(full.values()) == N * vocab * 4  # the float32 logits / T
+
+
+def test_tokens_that_fit_one_chunk_keep_its_softmax_and_no_more(monkeypatch):
+    """Within CHUNK_BYTES the backward reuses the forward's softmax (no second product):
+    the kept tensor is that one chunk, N x V float32."""
+    torch.manual_seed(0)
+    N, H, vocab = 40, 8, 5000
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", N * vocab * 4)
+    layer = torch.nn.Linear(H, vocab, bias=False)
+    hidden = torch.randn(N, H, requires_grad=True)
+    targets = torch.randint(0, vocab, (N,))
+    saved = _saved_storages(lambda: head_logprobs(hidden, OutputHead(layer), targets, 0.8)[0])
+    assert sorted(saved.values()) == [N * 4, N * 8, N * H * 4, N * vocab * 4]
+    products = []
+
+    def counted(*args):
+        products.append(1)
+        return F.linear(*args)
+
+    logp, _ = head_logprobs(hidden, OutputHead(layer, products=Products(linear=counted)),
+                            targets, 0.8)
+    logp.sum().backward()
+    assert len(products) == 1  # the forward's only
 
 
 def test_bf16_weight_gradient_sums_chunks_in_float32(monkeypatch):
@@ -277,6 +305,8 @@ def _saved_storages(fn) -> dict[int, int]:
 
 def test_a_forward_keeps_far_less_for_the_backward_than_the_full_logits(monkeypatch):
     vocab = 16384
+    # more tokens than a chunk holds (one chunk's softmax would be kept: within CHUNK_BYTES)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * vocab * 4)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config("llama", vocab_size=vocab)).train()
     batch = _batch()

@@ -93,7 +93,7 @@ def head_logprobs(hidden: Tensor, head: OutputHead, targets: Tensor, temperature
     if grads:
         logp, entropy = _HeadLogProb.apply(*args)
     else:
-        logp, entropy, _ = _forward(*args)
+        logp, entropy, _, _ = _forward(*args)
     return logp, entropy if with_entropy else None
 
 
@@ -112,34 +112,45 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
 
 def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
              temperature: float, softcap: float | None, with_entropy: bool,
-             products: Products) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp [N], entropy [N] or [0], logsumexp [N]), one chunk of tokens at a time."""
+             products: Products, keep: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor | None] | None]:
+    """(logp [N], entropy [N] or [0], logsumexp [N], kept), one chunk of tokens at a time.
+
+    `keep` and the tokens fit in one chunk: `kept` is (the softmax [N, V], the cap's tanh or
+    None) for the backward, which then does not compute the logits again; else None."""
     N, dtype = hidden.shape[0], compute_dtype(weight.dtype)
     logp = hidden.new_empty(N, dtype=dtype)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
     rows = chunk_rows(weight.shape[0], dtype)
+    kept = None
     for s in range(0, N, rows):
-        z, _ = _logits(hidden[s:s + rows], weight, bias, temperature, softcap, products)
+        z, tanh = _logits(hidden[s:s + rows], weight, bias, temperature, softcap, products)
         lse[s:s + rows] = torch.logsumexp(z, dim=-1)
         picked = z.gather(-1, targets[s:s + rows, None]).squeeze(-1)  # [n]
         logp[s:s + rows] = picked - lse[s:s + rows]
         if with_entropy:
             entropy[s:s + rows] = entropy_from(z, lse[s:s + rows])
-    return logp, entropy, lse
+        if keep and N <= rows:  # the backward's first operation, on the same values
+            kept = z.sub_(lse[:, None]).exp_(), tanh
+    return logp, entropy, lse, kept
 
 
 class _HeadLogProb(torch.autograd.Function):
     """`_forward` with a backward that recomputes each chunk's logits from the saved hidden
-    states and weight: the saved tensors are O(N H + V H), not O(N V)."""
+    states and weight: the saved tensors are O(N H + V H), not O(N V). Where every token fits
+    in one chunk (a small vocabulary or few tokens: at most CHUNK_BYTES of float32 logits) the
+    forward keeps that chunk's softmax instead, and the backward skips the recomputation —
+    one [N, H] x [H, V] product fewer, the full-logit path's cost, within the chunk's memory."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
                 targets: Tensor, temperature: float, softcap: float | None,
                 with_entropy: bool, products: Products) -> tuple[Tensor, Tensor]:
-        logp, entropy, lse = _forward(hidden, weight, bias, targets, temperature, softcap,
-                                      with_entropy, products)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        logp, entropy, lse, kept = _forward(hidden, weight, bias, targets, temperature,
+                                            softcap, with_entropy, products, keep=True)
+        probs, tanh = kept if kept is not None else (None, None)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, probs, tanh)
         ctx.temperature, ctx.softcap, ctx.products = temperature, softcap, products
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -147,7 +158,7 @@ class _HeadLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, _entropy: Tensor | None  # type: ignore[override]
                  ) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, probs, kept_tanh = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         T, cap, products = ctx.temperature, ctx.softcap, ctx.products
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -158,10 +169,13 @@ class _HeadLogProb(torch.autograd.Function):
         rows = chunk_rows(weight.shape[0], compute_dtype(weight.dtype))
         for s in range(0, hidden.shape[0], rows):
             h, g = hidden[s:s + rows], grad[s:s + rows, None]  # [n, H], [n, 1]
-            z, tanh = _logits(h, weight, bias, T, cap, products)  # [n, V]
-            # logsumexp's backward as autograd writes it, -g * exp(z - lse), in place in z;
-            # then the gathered entry's +g
-            dz = z.sub_(lse[s:s + rows, None]).exp_().mul_(-g)
+            if probs is not None:  # one chunk, its softmax kept by the forward
+                dz, tanh = probs * -g, kept_tanh
+            else:
+                z, tanh = _logits(h, weight, bias, T, cap, products)  # [n, V]
+                # logsumexp's backward as autograd writes it, -g * exp(z - lse), in place in
+                # z; then the gathered entry's +g
+                dz = z.sub_(lse[s:s + rows, None]).exp_().mul_(-g)
             dz.scatter_add_(-1, targets[s:s + rows, None], g)
             if T != 1.0:
                 dz.div_(T)

@@ -5,7 +5,8 @@ The chunked head (`docs/logprobs.md`) never holds the [N, V] logits: its forward
 chunk of `CHUNK_BYTES` of float32 logits at a time and, with the entropy (the first update
 pass), the softmax and its product with the logits beside them — three chunks; its backward
 computes each chunk again and, when the head is trained (full fine-tuning), builds the head's
-[V, H] weight gradient in float32 before autograd adds it to `.grad`. It saves the hidden
+[V, H] weight gradient in float32 before autograd adds it to `.grad`. Where every token fits in
+one chunk, the forward keeps that chunk's softmax for the backward instead of recomputing it. It saves the hidden
 states (counted with the activations), the targets and one logsumexp per token.
 
 The model's own [B, C, V] logits (`token_logprobs_and_entropy`) remain where `output_head`
@@ -73,7 +74,11 @@ def head_bytes(shape: Architecture, rows: int, completion: int, p: int, *, is_ch
     # forward: logits, softmax and their product (entropy); backward: the logits again (their
     # gradient in place) and a 16-bit copy for a 16-bit head, next to the weight gradient
     backward = chunk + (n * V * weight_bytes if weight_bytes < 4 else 0) + grad_w
+    # every token in one chunk: its softmax is kept from the forward to the backward (which
+    # then does not compute the logits again)
+    kept = chunk if n_tok <= n else 0
     how = (f"chunks of {n} tokens × {V} vocab in fp32 (forward: 3 chunks; backward: 1"
+           + (" + the softmax kept from the forward" if kept else "")
            + (f" + the head's fp32 weight gradient {grad_w / 2**30:.2f} GiB" if trained else "")
            + f"), {n_tok} tokens' logsumexp, target, log-prob")
-    return max(3 * chunk, backward) + 16 * n_tok, how
+    return max(3 * chunk, kept + backward) + 16 * n_tok, how
