@@ -53,11 +53,12 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
     load_in_4bit: bool = False
-    """Load the linear weights in 4-bit NF4 (QLoRA; needs lora.enabled, a CUDA GPU and `pip
-    install 'mogrpo[gpu]'`). Under a mixed precision the 1-D weights (norms, biases) are cast to
-    float32, as QLoRA trained: HF's RMSNorm returns its weight's dtype, so the residual stream
-    then sums in float32 (the norms take their statistics in float32 whatever the weight's
-    dtype). The embedding and head keep the compute dtype, unlike peft's preparation: a
+    """Load the linear weights in 4-bit NF4 (QLoRA; needs lora.enabled and `pip install
+    'mogrpo[gpu]'`: bitsandbytes, on a CUDA GPU or, from bitsandbytes 0.46.1, on the CPU).
+    Under a mixed precision the 1-D weights (norms, biases) are cast to float32, as QLoRA
+    trained: HF's RMSNorm returns its weight's dtype, so the residual stream then sums in
+    float32 (the norms take their statistics in float32 whatever the weight's dtype). The
+    embedding and head keep the compute dtype, unlike peft's preparation: a
     float32 copy of their 16-bit values adds 2 B a parameter (2.1 GB on Llama-3-8B) and no
     information, and autocast computes the head in the compute dtype anyway."""
     load_in_8bit: bool = False

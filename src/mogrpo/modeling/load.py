@@ -31,6 +31,7 @@ from mogrpo.modeling.quantize import (
     is_quantized,
     prepare_quantized,
     quantization_config,
+    quantized_device_map,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,10 @@ def _unreachable(name_or_path: str, what: str, err: Exception) -> ModelError:
     )
 
 
-def _check_accelerators(quantized: str | None, attn_implementation: str | None) -> None:
+def _check_accelerators(quantized: str | None, attn_implementation: str | None,
+                        device: torch.device | None) -> None:
     if quantized:
-        check_bitsandbytes(quantized)
+        check_bitsandbytes(quantized, device)
     # (4-bit and 8-bit weights: bitsandbytes' own check above, with its message)
     problems = accelerator_problems(attn_implementation)
     if problems:
@@ -160,7 +162,8 @@ def load_policy(
     `disable_dropout` sets the model's own dropout to 0 (see `mogrpo.modeling.dropout`; LoRA's
     dropout is kept); a wrong `lora.target_modules` is reported before the weights load.
     `device` a CUDA device: the weights load straight onto it, never whole in host memory
-    (otherwise they load on the CPU, where the caller moves them). `dtype` is that of every
+    (otherwise they load on the CPU, where the caller moves them); a quantised base loads
+    where `quantized_device_map` says (the CPU too, with bitsandbytes >= 0.46.1). `dtype` is that of every
     weight as loaded (a quantised base's compute dtype); LoRA adapters are `adapter_dtype`,
     and a quantised base's 1-D weights too when that is float32 (`prepare_quantized`).
     """
@@ -168,7 +171,8 @@ def load_policy(
     if load_in_4bit and load_in_8bit:
         raise ConfigError("model.load_in_4bit and model.load_in_8bit are both set; keep one")
     bits = 4 if load_in_4bit else 8 if load_in_8bit else None
-    _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation)
+    _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation,
+                        device)
     config = _causal_lm_config(name_or_path, trust_remote_code)
     if lora is not None:
         check_lora_targets(config, lora.target_modules, trust_remote_code=trust_remote_code)
@@ -228,7 +232,7 @@ def _load_kwargs(torch_dtype: torch.dtype, trust_remote_code: bool,
         kwargs["attn_implementation"] = attn_implementation
     if bits:
         kwargs["quantization_config"] = quantization_config(bits, torch_dtype)
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
+        kwargs["device_map"] = quantized_device_map(device)
     elif device is not None and device.type == "cuda":
         kwargs["device_map"] = {"": torch.cuda.current_device() if device.index is None
                                 else device.index}

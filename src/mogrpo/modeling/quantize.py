@@ -16,24 +16,33 @@ the bfloat16 head, and the run asked for bfloat16 throughout.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 from torch import nn
 
-from mogrpo.config.hardware import GPU_EXTRA
+from mogrpo.config.hardware import quantized_weights_problem
 from mogrpo.errors import ModelError
 
 
-def check_bitsandbytes(field: str) -> None:
-    """A ModelError naming `field` unless bitsandbytes and a CUDA GPU are here (config
+def check_bitsandbytes(field: str, device: torch.device | None) -> None:
+    """A ModelError naming `field` unless this machine's bitsandbytes can load it onto
+    `device` (None: the GPU if there is one): installed, and on a CPU 0.46.1 or newer (config
     validation says the same earlier; this guards `load_policy` called directly)."""
-    if torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None:
-        return
-    bits = "8-bit" if field.endswith("8bit") else "4-bit"
-    raise ModelError(f"{field} is set but {bits} loading needs a CUDA GPU and `{GPU_EXTRA}` "
-                     f"(bitsandbytes); on this machine set {field}: false")
+    problem = quantized_weights_problem(field, device.type if device else "auto", machine=True)
+    if problem:
+        raise ModelError(problem)
+
+
+def quantized_device_map(device: torch.device | None) -> dict[str, int | str]:
+    """Where transformers puts a quantised model as it loads (bitsandbytes quantises each
+    weight as it moves there): `device` when it is a GPU, else the current GPU when `device`
+    is None and one is visible, else the CPU."""
+    if device is not None and device.type == "cuda":
+        return {"": torch.cuda.current_device() if device.index is None else device.index}
+    if device is None and torch.cuda.is_available():
+        return {"": torch.cuda.current_device()}
+    return {"": "cpu"}
 
 
 def quantization_config(bits: int, compute_dtype: torch.dtype) -> Any:
