@@ -1,6 +1,7 @@
 """QLoRA on the CPU end to end through the CLI: a tiny model's base loaded in 4-bit NF4 by the
 bitsandbytes installed here (skipped without one of 0.46.1 or newer: CI installs none), GRPO
-steps training the LoRA adapters on it, the adapter saved (no merged model: see save_model)."""
+steps training the LoRA adapters on it (with `embeddings_in_4bit` too), the adapter saved (no
+merged model: see save_model)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ if Version(bitsandbytes_version() or "0") < Version(BNB_CPU_MIN):
 USER_REWARDS = Path(__file__).with_name("user_rewards.py")
 
 
-def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys):
+@pytest.mark.parametrize("embeddings", [False, True], ids=["4bit", "4bit+embeddings"])
+def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys, embeddings):
     config = demo_base()
-    config["model"].update(name_or_path=str(tiny_model), load_in_4bit=True)
+    config["model"].update(name_or_path=str(tiny_model), load_in_4bit=True,
+                           embeddings_in_4bit=embeddings)
     config["output"]["dir"] = str(tmp_path / "run")
     for task in config["tasks"].values():
         task["data"] += "?size=40"
@@ -44,7 +47,8 @@ def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys
     path.write_text(yaml.safe_dump(config))
 
     assert main(["train", str(path)]) == 0
-    assert "— LoRA r 4 (alpha 8), 4-bit base" in capsys.readouterr().err
+    with_embeddings = " with its embedding and head" if embeddings else ""
+    assert f"— LoRA r 4 (alpha 8), 4-bit base{with_embeddings}\n" in capsys.readouterr().err
     run = tmp_path / "run"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "loss" in m]

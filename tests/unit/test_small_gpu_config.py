@@ -103,6 +103,16 @@ def test_quantised_weights_need_bitsandbytes_lora_and_on_a_cpu_0_46_1(machine, b
         "rollout.vllm.server_url=http://gpu:8000")
 
 
+def test_4bit_embeddings_need_a_4bit_base(machine):
+    machine(bnb=True, cuda=False)
+    for base in ("model.load_in_8bit=true", "model.load_in_4bit=false"):
+        assert ("model.embeddings_in_4bit stores the embedding and head in NF4 beside a 4-bit "
+                "base; set model.load_in_4bit: true as well, or embeddings_in_4bit: false") in error(
+            "model.embeddings_in_4bit=true", base, "lora.enabled=true")
+    assert validate("model.embeddings_in_4bit=true", "model.load_in_4bit=true",
+                    "lora.enabled=true").model.embeddings_in_4bit
+
+
 def test_4bit_and_8bit_exclude_each_other_and_every_problem_is_listed(machine):
     machine(bnb=False, cuda=False)
     text = error("model.load_in_4bit=true", "model.load_in_8bit=true",

@@ -92,6 +92,10 @@ def quantization_errors(model: ModelConfig, lora: bool) -> list[str]:
     if model.load_in_4bit and model.load_in_8bit:
         errors.append("model.load_in_4bit and model.load_in_8bit are both set: the weights load "
                       "in one format; keep one of them")
+    if model.embeddings_in_4bit and not model.load_in_4bit:
+        errors.append("model.embeddings_in_4bit stores the embedding and head in NF4 beside a "
+                      "4-bit base; set model.load_in_4bit: true as well, or "
+                      "embeddings_in_4bit: false")
     if quantized and not lora:
         errors.append(f"{quantized} trains nothing without LoRA (quantised weights are frozen); "
                       "set lora.enabled: true")

@@ -64,6 +64,13 @@ class ModelConfig(Section):
     load_in_8bit: bool = False
     """Load the linear weights in 8-bit (LLM.int8(), Dettmers et al. 2022): twice 4-bit's
     memory, closer to the 16-bit base; as `load_in_4bit` otherwise, and exclusive with it."""
+    embeddings_in_4bit: bool = False
+    """With `load_in_4bit`: store the input embedding and the output head in NF4 too (one
+    4-bit table where they are tied), dequantised as they are used: the base then takes ~0.52
+    B a parameter instead of 0.67-0.93 (docs/memory.md, "Small GPUs"). Off by default, as in
+    QLoRA and transformers: the head's logits then carry NF4's rounding (the policy's and the
+    reference's alike), and while the head runs its weight is dequantised whole in the compute
+    dtype (V × H × 2 B under bf16: 1.05 GB on Llama-3.1-8B, which the planner counts)."""
     use_chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
     chat_template: str | None = None

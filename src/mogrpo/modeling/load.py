@@ -26,6 +26,7 @@ from mogrpo.errors import ConfigError, ModelError
 from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_targets
 from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
 from mogrpo.modeling.dropout import original_dropout_config
+from mogrpo.modeling.embeddings4bit import quantize_embeddings
 from mogrpo.modeling.quantize import (
     check_bitsandbytes,
     is_quantized,
@@ -151,6 +152,7 @@ def load_policy(
     lora: LoraSettings | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    embeddings_in_4bit: bool = False,
     tokenizer_name_or_path: str | None = None,
     disable_dropout: bool = True,
     device: torch.device | None = None,
@@ -166,11 +168,16 @@ def load_policy(
     where `quantized_device_map` says (the CPU too, with bitsandbytes >= 0.46.1). `dtype` is that of every
     weight as loaded (a quantised base's compute dtype); LoRA adapters are `adapter_dtype`,
     and a quantised base's 1-D weights too when that is float32 (`prepare_quantized`).
+    `embeddings_in_4bit` (with `load_in_4bit`): the embedding and head in NF4 as well
+    (`mogrpo.modeling.embeddings4bit`).
     """
     torch_dtype = resolve_dtype(dtype)
     if load_in_4bit and load_in_8bit:
         raise ConfigError("model.load_in_4bit and model.load_in_8bit are both set; keep one")
     bits = 4 if load_in_4bit else 8 if load_in_8bit else None
+    if embeddings_in_4bit and bits != 4:
+        raise ConfigError("model.embeddings_in_4bit is set without model.load_in_4bit; set "
+                          "both, or embeddings_in_4bit: false")
     _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation,
                         device)
     config = _causal_lm_config(name_or_path, trust_remote_code)
@@ -184,6 +191,9 @@ def load_policy(
     if disable_dropout:
         _log_dropout(switch_off_dropout(model), lora)
 
+    if embeddings_in_4bit:
+        logger.info("NF4 %s (model.embeddings_in_4bit)",
+                    " and ".join(quantize_embeddings(model, torch_dtype)))
     if bits:
         # float32 adapters (mixed precision): the 1-D weights too, not peft's every 16-bit
         # weight; pure bf16: nothing (see mogrpo.modeling.quantize)

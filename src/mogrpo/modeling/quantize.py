@@ -74,3 +74,31 @@ def is_quantized(model: nn.Module) -> bool:
     """Whether transformers loaded `model` (a plain model, not a peft wrapper) quantised."""
     return any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")
                ) or getattr(model, "hf_quantizer", None) is not None
+
+
+def frozen_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes, parameters) of `model`'s frozen weights as stored — every parameter that is not
+    trained and every buffer, a shared (tied) tensor once — with what bitsandbytes keeps
+    beside a quantised weight: NF4's absmax, its nested constants and code tables, LLM.int8()'s
+    row scales. Parameters count a 4-bit weight's values, not its packed bytes. What the
+    planner's weights term predicts for a LoRA base (`mogrpo.memory.weights`)."""
+    seen: set[int] = set()
+    nbytes = params = 0
+
+    def add(t: torch.Tensor | None) -> int:
+        if t is None or t.data_ptr() in seen:
+            return 0
+        seen.add(t.data_ptr())
+        return t.nbytes
+
+    for param in model.parameters():
+        if param.requires_grad or param.data_ptr() in seen:
+            continue
+        state = getattr(param, "quant_state", None)
+        params += param.numel() * (2 if state is not None else 1)
+        nbytes += add(param)
+        for holder in (state, getattr(state, "state2", None)):
+            for name in ("absmax", "code", "offset"):
+                nbytes += add(getattr(holder, name, None))
+        nbytes += add(getattr(param, "SCB", None))
+    return nbytes + sum(add(b) for b in model.buffers()), params
