@@ -23,9 +23,10 @@ BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 GPU_EXTRA = "pip install 'mogrpo[gpu]'"
 BNB_CPU_MIN = "0.46.1"
 """The oldest bitsandbytes that quantises and runs 4-bit (NF4) and 8-bit weights on a CPU: its
-kernels moved behind torch custom ops with CPU implementations in 0.46 (0.45 has CUDA's only),
-and 0.46.1 is the oldest transformers 5 loads them with. Checked: NF4 and LLM.int8() loading,
-LoRA forward and backward on CPU with 0.46.1 and 0.50.2 (torch 2.13, transformers 5.24)."""
+kernels moved behind torch custom ops with CPU implementations in 0.46 (0.45's wheel has no
+`bitsandbytes.backends`), and 0.46.1 is the oldest transformers 5.24 accepts at all
+(`BITSANDBYTES_MIN_VERSION`). Checked: NF4 and LLM.int8() loading, LoRA forward and backward
+on CPU with 0.46.1 and 0.50.2 (torch 2.13, transformers 5.24)."""
 
 
 def quantized_field(model: ModelConfig) -> str | None:
