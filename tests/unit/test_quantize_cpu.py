@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from packaging.version import Version
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import mogrpo.algo.logprobs as logprobs
 from grpo_batch import shared_prompt_batch
 from mogrpo.algo.logprobs import completion_logprobs, output_head
 from mogrpo.config.hardware import BNB_CPU_MIN, bitsandbytes_version
-from mogrpo.modeling.embeddings4bit import NF4Embedding, nf4
+from mogrpo.modeling.embeddings4bit import NF4Embedding, nf4, quantize_embeddings
 from mogrpo.modeling.load import LoraSettings, load_policy, trainable_parameters
 from mogrpo.modeling.quantize import frozen_weight_bytes
 from mogrpo.modeling.tiny import build_tiny_model
@@ -84,6 +85,21 @@ def test_nf4_embedding_rows_are_the_dequantised_tables(hidden, dtype):
     ids = torch.randint(0, 300, (3, 7))
     # rows of whole blocks looked up alone (96: the whole table dequantised), bit for bit
     assert torch.equal(NF4Embedding(weight, None, dtype)(ids), table[ids].to(dtype))
+
+
+def test_an_untied_head_gets_its_own_nf4_table():
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    head = model.lm_head.weight.detach().clone()
+    assert quantize_embeddings(model, torch.float32) == ["embedding", "head"]
+    weight = model.lm_head.weight
+    assert weight is not model.model.embed_tokens.weight
+    table = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    assert ((table - head).norm() / head.norm()).item() < 0.12  # NF4 of a normal: ~0.09
+    hidden = torch.randn(5, 64)
+    torch.testing.assert_close(model.lm_head(hidden), hidden @ table.t())
 
 
 def test_embeddings_in_4bit_store_the_base_in_0_6_bytes_a_parameter(wide_vocab_dir):

@@ -39,8 +39,8 @@ def nf4(weight: Tensor) -> Any:
 
 class NF4Embedding(nn.Module):
     """An embedding table in NF4 (a `Params4bit` [V, H], the tied head's own weight where they
-    are tied) returning rows in `dtype`. With H a multiple of 64 (every model's hidden size
-    here) a row is whole blocks: its codes and absmax are looked up as rows of their own and
+    are tied) returning rows in `dtype`. With H a multiple of 64 (896, 1536, 4096 and 5120 of
+    the models in docs/memory.md) a row is whole blocks: its codes and absmax are looked up as rows of their own and
     only they are dequantised; otherwise the whole table is, for each call."""
 
     def __init__(self, weight: Any, padding_idx: int | None, dtype: torch.dtype) -> None:
