@@ -56,6 +56,14 @@ CASES = {  # name: model config, LoRA, gradient checkpointing, model.precision
     "llama-3.2-1b/lora+ckpt": ("llama-3.2-1b", True, True, "fp32"),
     "qwen2.5-1.5b/lora": ("qwen2.5-1.5b", True, False, "fp32"),
     "qwen2.5-1.5b/lora+ckpt": ("qwen2.5-1.5b", True, True, "fp32"),
+    "qwen2.5-0.5b/qlora": ("qwen2.5-0.5b", True, False, "fp32"),
+    "qwen2.5-0.5b/qlora+emb4": ("qwen2.5-0.5b", True, False, "fp32"),
+    "qwen2.5-1.5b/qlora": ("qwen2.5-1.5b", True, False, "fp32"),
+    "qwen2.5-1.5b/qlora+emb4": ("qwen2.5-1.5b", True, False, "fp32"),
+}
+BASES = {  # a configuration's kind (after the "/"): the model settings of its quantised base
+    "qlora": {"load_in_4bit": True},
+    "qlora+emb4": {"load_in_4bit": True, "embeddings_in_4bit": True},
 }
 
 
@@ -70,7 +78,7 @@ def run_config(case: str, model_dir: str, data: str, out: str) -> dict:
     return {
         "seed": 0,
         "model": {"name_or_path": model_dir, "precision": precision, "use_chat_template": False,
-                  "gradient_checkpointing": ckpt},
+                  "gradient_checkpointing": ckpt, **BASES.get(case.split("/")[1], {})},
         "lora": {"enabled": lora, "r": 16, "alpha": 32, "dropout": 0.0,
                  "target_modules": "all-linear"},
         "tasks": {"t": {"data": data, "beta": 0.04,
@@ -125,11 +133,22 @@ def child(case: str, model_dir: str, work: str, measure: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import mogrpo.trainer.run  # noqa: F401  everything a run imports, before the overhead is read
+    import mogrpo.trainer.run  # everything a run imports, before the overhead is read
     from mogrpo import train
+    from mogrpo.modeling.quantize import frozen_weight_bytes
     from mogrpo.trainer.grpo import GRPOTrainer
 
     fixed = _rss()
+    base: dict[str, int] = {}
+    load = mogrpo.trainer.run.load_policy
+
+    def weighed(*args: object, **kwargs: object) -> tuple:
+        """`load_policy`, and the bytes of the frozen weights it loaded, as stored."""
+        model, tokenizer = load(*args, **kwargs)
+        base["base_bytes"], base["base_params"] = frozen_weight_bytes(model)
+        return model, tokenizer
+
+    mogrpo.trainer.run.load_policy = weighed
     data = Path(work) / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts(64, seed=1)))
     config = run_config(case, model_dir, str(data), str(Path(work) / "run"))
@@ -162,7 +181,7 @@ def child(case: str, model_dir: str, work: str, measure: str) -> dict:
     return {"case": case, "device": "cuda" if cuda else "cpu",
             "measure": "max_memory_allocated" if cuda else measure,
             "measured": peak if peak is not None else rss_peak - fixed, "tensor_peak": peak,
-            "rss_peak": rss_peak, "fixed": fixed,
+            "rss_peak": rss_peak, "fixed": fixed, **base,
             "steps": len(steps), "seconds": time.perf_counter() - start,
             "prompt_truncated": [m.get("rollout/prompt_truncated") for m in steps],
             "completion_length": [m.get("rollout/completion_length") for m in steps]}
@@ -209,22 +228,27 @@ def report(results: dict[str, dict], command: str) -> str:
         "steps, β 0.04 (a reference), AdamW; LoRA r 16 on all linear layers.",
         "",
         "| configuration | parameters | plan | measured | how measured | plan / measured | "
-        "RSS peak | fixed overhead | RSS − overhead | bytes / parameter (measured) | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "RSS peak | fixed overhead | RSS − overhead | bytes / parameter (measured) | "
+        "frozen base, B / parameter: plan | stored | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     from mogrpo.modeling.architecture import Architecture
 
     for case, r in results.items():
-        total, _ = plan(case)
+        total, est = plan(case)
         params = Architecture.from_config(
             json.loads((CONFIGS / f"{CASES[case][0]}.json").read_text())).params
+        lora = CASES[case][1]
+        planned = f"{est['weights'] / params:.3f}" if lora else "–"
+        stored = f"{r['base_bytes'] / r['base_params']:.3f}" if "base_bytes" in r and lora \
+            else "–"
         lines.append(
             f"| {case} | {params / 1e9:.3f} B | {total / gib:.2f} GiB | "
             f"{r['measured'] / gib:.2f} GiB | {MEASURES[r['measure']]} | "
             f"**{total / r['measured']:.2f}** | "
             f"{r['rss_peak'] / gib:.2f} GiB | {r['fixed'] / gib:.2f} GiB | "
             f"{(r['rss_peak'] - r['fixed']) / gib:.2f} GiB | "
-            f"{r['measured'] / params:.1f} | {r['seconds']:.0f} |")
+            f"{r['measured'] / params:.1f} | {planned} | {stored} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +303,26 @@ Bytes per parameter: full fine-tuning in fp32 holds 20 B a parameter whatever th
 (weights 4, AdamW's m and v 8, the reference copy 4, gradients 4: the planner's terms); the
 measured 21.3 adds this small batch's activations and the chunked log-prob head (1.3 and
 0.6 GiB planned). Under bf16-mixed the reference is bf16 (2 B): 18 B a parameter.
+
+"frozen base, B / parameter": the planner's weights term over the parameters, and the frozen
+weights as stored once loaded (`mogrpo.modeling.quantize.frozen_weight_bytes`: every frozen
+parameter and buffer, with NF4's absmax, nested constants and code tables). A LoRA base loads
+in the compute dtype, float32 on the CPU: 4 B.
+
+The QLoRA rows (`qlora`: `model.load_in_4bit`; `qlora+emb4`: with `model.embeddings_in_4bit`)
+ran on the CPU with bitsandbytes 0.50.2, under `nice -n 19` and `OMP_NUM_THREADS=1` beside
+other work on the shared 2-core machine (qwen2.5-0.5b/qlora with the code of commit 4c02d4b,
+the other two with that of 6165a4a; the commits after it up to f12f63b change docstrings and
+tests only). The stored base matches the plan
+to 0.001 B a parameter (~1 KiB of code tables per quantised tensor besides). With a float32
+embedding Qwen2.5-0.5B's base is 1.48 B a parameter on the CPU; with the embedding and head in
+NF4, 0.517. The step's peak does not drop with it on the CPU: the head is dequantised whole in
+float32 while it runs (151936 × 896 × 4 B = 0.54 GB, more than the 0.47 GB its NF4 storage
+saves), as the plan says (2.20 against 2.13 GiB) and the measurement shows (2.41 against 2.36
+GiB); under bf16 on a GPU that copy is half as large. The QLoRA plans are 6-10 % under the
+measurement, 0.21-0.30 GiB, about the 16-bit LoRA row's 0.20 GiB. qwen2.5-1.5b/qlora took 16
+minutes on the shared machine; its `qlora+emb4` and `lora` rows were not run (each over ~15
+minutes here: llama-3.2-1b/lora took 20).
 
 The LoRA + checkpointing rows were first blocked by a trainer bug (the checkpoint's
 recomputation left the CPU products the forward ran on: `CheckpointError`); since 66bb0c0 the

@@ -31,7 +31,7 @@ def test_no_gpu_report_says_so_and_shows_cpu_and_ram(no_gpu):
     assert f"{os.cpu_count()} logical cores" in text
     assert f"  torch         {torch.__version__}" in text
     assert "bf16                  no   no GPU (runs on the CPU use float32)" in text
-    assert "bitsandbytes (4-bit)  no" in text
+    assert "bitsandbytes (4-bit)  " in text  # yes or no: see the test below
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         total_kb = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
@@ -139,6 +139,24 @@ def test_pre_ampere_gpu_has_no_bf16_nor_flash_attention(two_gpus, monkeypatch):
     assert features["bf16"][0] is False and "float16" in features["bf16"][1]
     assert features["flash_attention_2"] == [False, "needs a GPU of compute capability 8.0+"]
     assert features["bitsandbytes (4-bit)"] == [True, "importable with CUDA"]
+
+
+@pytest.mark.parametrize(("importable", "version", "status"), [
+    ((False, "not installed"), None, [False, "not installed"]),
+    ((True, "importable"), "0.45.5", [False, "0.45.5 has CUDA kernels only; on the CPU it needs "
+                                            ">= 0.46.1"]),
+    ((True, "importable"), "0.46.1", [True, "importable, 0.46.1 runs 4-/8-bit weights on the "
+                                           "CPU"]),
+])
+def test_without_a_gpu_4bit_weights_need_bitsandbytes_0_46_1(no_gpu, monkeypatch, importable,
+                                                            version, status):
+    from mogrpo.config import hardware
+
+    real = doctor._importable
+    monkeypatch.setattr(doctor, "_importable", lambda module: importable
+                        if module == "bitsandbytes" else real(module))
+    monkeypatch.setattr(hardware, "bitsandbytes_version", lambda: version)
+    assert collect()["features"]["bitsandbytes (4-bit)"] == status
 
 
 def test_leftover_wandb_variables_are_warned_about(no_gpu, monkeypatch):

@@ -1,6 +1,6 @@
 """What a run asks of this machine is checked before any data or model loads (`mogrpo train`,
 the Python API), not by the commands that read a config meant for another machine: a CUDA GPU
-for `device: cuda`, bfloat16, CUDA and bitsandbytes for 4-bit weights."""
+for `device: cuda`, bfloat16, bitsandbytes for 4-bit weights."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def load(model: Path, *overrides: str, machine: bool = False):
                        base={"model": {"name_or_path": str(model)}, "tasks": TASKS})
 
 
-def test_4bit_weights_need_lora_cuda_and_bitsandbytes_and_flash_attention_its_package(small, monkeypatch):
+def test_4bit_weights_need_lora_and_bitsandbytes_and_flash_attention_its_package(small, monkeypatch):
     with pytest.raises(ConfigError) as err:
         load(small, "model.load_in_4bit=true")  # whatever the machine
     assert str(err.value) == ("invalid config:\n  model.load_in_4bit trains nothing without LoRA "
@@ -43,11 +43,9 @@ def test_4bit_weights_need_lora_cuda_and_bitsandbytes_and_flash_attention_its_pa
     with pytest.raises(ConfigError) as err:
         load_config(None, [], environ={}, base=lora_4bit)
     assert str(err.value) == (
-        "invalid config:\n  model.load_in_4bit = true needs a CUDA GPU and bitsandbytes (`pip "
-        "install 'mogrpo[gpu]'`), but bitsandbytes is not installed; on this machine set "
+        "invalid config:\n  model.load_in_4bit = true needs bitsandbytes (`pip install "
+        "'mogrpo[gpu]'`), but bitsandbytes is not installed; install it, or on this machine set "
         "model.load_in_4bit: false")
-    with pytest.raises(ConfigError, match=r"load_in_4bit = true needs .*, but device is cpu; "):
-        load_config(None, ["device=cpu"], environ={}, base=lora_4bit)
     load_config(None, [], environ={}, base=lora_4bit, machine=False)  # `mogrpo memory`
     with pytest.raises(ConfigError) as err:
         load(small, "model.attn_implementation=flash_attention_2", machine=True)

@@ -20,7 +20,10 @@ from mogrpo.memory import (
     peak_bytes,
     reset_peak,
 )
+from mogrpo.memory.weights import weight_bytes
 from mogrpo.modeling.architecture import Architecture
+
+CONFIGS = Path(__file__).parents[2] / "benchmarks" / "model_configs"  # the published configs
 
 # Llama-3-8B's shape: hidden 4096, 32 layers, 32 heads of 128, 8 KV heads, SwiGLU 14336,
 # vocabulary 128256, separate input and output embeddings.
@@ -134,6 +137,32 @@ def test_llama_8b_4bit_weights_include_quantisation_constants():
     # fp32 norms make the residual stream fp32: 4 B per KV element
     assert est["kv_cache"] == 2 * 32 * 1024 * 4 * 640 * 16
     assert "(4-bit base)" in est.title
+
+
+def test_embeddings_in_4bit_bring_the_base_to_0_516_bytes_a_parameter():
+    plain = estimate(LLAMA_8B, users_run(model__load_in_4bit=True))
+    est = estimate(LLAMA_8B, users_run(model__load_in_4bit=True, model__embeddings_in_4bit=True))
+    # the embedding and the untied head (2 · 128256 · 4096 = 1,050,673,152) in NF4 as the
+    # linear layers: 525,336,576 B of codes + 16,416,768 absmax + 64,128 · 4 B
+    assert est["weights"] == 3_600_416_768 + 266_240 * 4 + 542_009_856 == 4_143_491_584
+    assert est["weights"] / 8_030_261_248 < 0.516
+    # what it costs: the head (128256 × 4096) dequantised in bf16 while it runs, in prefill
+    # and in the log-prob head (still chunked: the same 200,112,128 B)
+    head = 128_256 * 4096 * 2
+    assert est["logits"] == plain["logits"] + head == 200_112_128 + head
+    assert est["prefill"] == plain["prefill"] + head
+    assert est.total == plain.total - (5_702_828_032 - 4_143_491_584) + head
+
+
+@pytest.mark.parametrize(("name", "without", "with_"), [
+    ("qwen2.5-0.5b", 0.925, 0.516), ("qwen2.5-1.5b", 0.741, 0.516),
+    ("llama-3.1-8b", 0.710, 0.516), ("qwen2.5-14b", 0.673, 0.516)])
+def test_the_4bit_target_of_0_6_bytes_a_parameter_needs_4bit_embeddings(name, without, with_):
+    shape = Architecture.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+    for embeddings, expected in ((False, without), (True, with_)):
+        run = users_run(model__load_in_4bit=True, model__embeddings_in_4bit=embeddings)
+        weights, _ = weight_bytes(shape, run, "bf16-mixed")
+        assert round(weights / shape.params, 3) == expected
 
 
 def test_llama_8b_8bit_weights_are_a_byte_and_a_row_scale():

@@ -100,13 +100,6 @@ def test_unreachable_hub_id_explains_fix(monkeypatch):
         load_policy("meta-llama/Meta-Llama-3-8B")
 
 
-def test_4bit_on_cpu_is_refused_before_loading(tiny_model_dir):
-    with pytest.raises(
-        ModelError, match=r"4-bit loading needs a CUDA GPU and `pip install 'mogrpo\[gpu\]'`"
-    ):
-        load_policy(str(tiny_model_dir), load_in_4bit=True)
-
-
 def test_flash_attention_without_gpu(tiny_model_dir):
     with pytest.raises(ModelError, match="flash_attention_2.*'sdpa'"):
         load_policy(str(tiny_model_dir), attn_implementation="flash_attention_2")

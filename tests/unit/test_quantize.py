@@ -1,6 +1,6 @@
 """A quantised base prepared for LoRA: what is frozen and what is cast to float32 (the 1-D
 weights, not the embedding and head), the bitsandbytes configs, and the guards of
-`load_policy` (bitsandbytes itself needs CUDA: the quantised matmuls are not run here)."""
+`load_policy` (bitsandbytes simulated; its quantised matmuls run in test_quantize_cpu.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mogrpo.config import hardware
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.modeling.load import LoraSettings, apply_lora, load_policy
 from mogrpo.modeling.quantize import is_quantized, prepare_quantized, quantization_config
@@ -88,10 +89,17 @@ def test_bitsandbytes_configs():
     assert (eight.load_in_8bit, eight.load_in_4bit, eight.llm_int8_threshold) == (True, False, 6.0)
 
 
-def test_load_policy_refuses_8bit_without_a_gpu_and_both_formats(tiny_model_dir):
-    with pytest.raises(ModelError, match=r"model.load_in_8bit is set but 8-bit loading needs a "
-                       r"CUDA GPU and `pip install 'mogrpo\[gpu\]'`"):
+def test_load_policy_refuses_what_this_bitsandbytes_cannot_load_and_both_formats(
+        tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(hardware, "bitsandbytes_version", lambda: None)
+    with pytest.raises(ModelError, match=r"model.load_in_8bit = true needs bitsandbytes \(`pip "
+                       r"install 'mogrpo\[gpu\]'`\), but bitsandbytes is not installed"):
         load_policy(str(tiny_model_dir), load_in_8bit=True)
+    monkeypatch.setattr(hardware, "bitsandbytes_version", lambda: "0.45.5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelError, match=r"model.load_in_4bit = true on a CPU needs bitsandbytes "
+                       r">= 0.46.1 .*, but 0.45.5 is installed"):
+        load_policy(str(tiny_model_dir), load_in_4bit=True)
     with pytest.raises(ConfigError, match="load_in_4bit and model.load_in_8bit are both set"):
         load_policy(str(tiny_model_dir), load_in_4bit=True, load_in_8bit=True)
 

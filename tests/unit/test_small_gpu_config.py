@@ -1,6 +1,6 @@
 """The small-GPU settings at config validation, before any model loads: `train.optimizer`,
-`model.load_in_4bit` / `load_in_8bit` and `distributed.cpu_offload`, with bitsandbytes and a
-CUDA GPU simulated present or absent."""
+`model.load_in_4bit` / `load_in_8bit` and `distributed.cpu_offload`, with bitsandbytes (of a
+given version) and a CUDA GPU simulated present or absent."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from mogrpo.config import load_config
+from mogrpo.config import hardware, load_config
 from mogrpo.config.processes import check_processes
 from mogrpo.errors import ConfigError
 
@@ -24,12 +24,15 @@ INSTALL = "(`pip install 'mogrpo[gpu]'`)"
 
 @pytest.fixture
 def machine(monkeypatch):
-    """`machine(bnb=..., cuda=...)`: what this machine has, as validation sees it."""
+    """`machine(bnb=..., cuda=...)`: what this machine has, as validation sees it (`bnb` a
+    version string, True for a recent one)."""
     real = importlib.util.find_spec
 
-    def set_(bnb: bool, cuda: bool) -> None:
+    def set_(bnb: bool | str, cuda: bool) -> None:
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
             (object() if bnb else None) if name == "bitsandbytes" else real(name, *a)))
+        monkeypatch.setattr(hardware, "bitsandbytes_version", lambda: (
+            "0.50.2" if bnb is True else bnb or None))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
 
     return set_
@@ -74,21 +77,40 @@ def test_an_unknown_optimizer_lists_the_names():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quantised_weights_need_bitsandbytes_a_gpu_and_lora(machine, bits):
+def test_quantised_weights_need_bitsandbytes_lora_and_on_a_cpu_0_46_1(machine, bits):
     field = f"model.load_in_{bits}bit"
+    lora = (f"{field}=true", "lora.enabled=true")
     machine(bnb=False, cuda=False)
-    text = error(f"{field}=true", "lora.enabled=true")
-    assert (f"{field} = true needs a CUDA GPU and bitsandbytes {INSTALL}, but bitsandbytes is "
-            f"not installed; on this machine set {field}: false") in text
-    machine(bnb=True, cuda=False)
-    assert "no CUDA GPU is visible" in error(f"{field}=true", "lora.enabled=true")
-    machine(bnb=True, cuda=True)
-    assert getattr(validate(f"{field}=true", "lora.enabled=true").model, f"load_in_{bits}bit")
+    assert (f"{field} = true needs bitsandbytes {INSTALL}, but bitsandbytes is not installed; "
+            f"install it, or on this machine set {field}: false") in error(*lora)
+    machine(bnb="0.45.5", cuda=False)  # CUDA kernels only
+    assert (f"{field} = true on a CPU needs bitsandbytes >= 0.46.1 (older ones have CUDA kernels "
+            f"only), but 0.45.5 is installed; upgrade it (`pip install -U "
+            f"'bitsandbytes>=0.46.1'`), or set {field}: false") in error(*lora)
+    machine(bnb="0.45.5", cuda=True)
+    assert getattr(validate(*lora).model, f"load_in_{bits}bit")  # on the GPU
+    assert "on a CPU needs bitsandbytes >= 0.46.1" in error(*lora, "device=cpu")
+    for cuda in (False, True):
+        machine(bnb="0.46.1", cuda=cuda)
+        for device in ("auto", "cpu"):
+            assert getattr(validate(*lora, f"device={device}").model, f"load_in_{bits}bit")
+    machine(bnb=False, cuda=False)
+    assert validate(*lora, "device=cpu", machine=False)  # `mogrpo memory`, for another machine
     assert (f"{field} trains nothing without LoRA (quantised weights are frozen); set "
             "lora.enabled: true") in error(f"{field}=true")
     assert f"set {field}: false or use engine: auto" in error(
         f"{field}=true", "lora.enabled=true", "rollout.engine=vllm",
         "rollout.vllm.server_url=http://gpu:8000")
+
+
+def test_4bit_embeddings_need_a_4bit_base(machine):
+    machine(bnb=True, cuda=False)
+    for base in ("model.load_in_8bit=true", "model.load_in_4bit=false"):
+        assert ("model.embeddings_in_4bit stores the embedding and head in NF4 beside a 4-bit "
+                "base; set model.load_in_4bit: true as well, or embeddings_in_4bit: false") in error(
+            "model.embeddings_in_4bit=true", base, "lora.enabled=true")
+    assert validate("model.embeddings_in_4bit=true", "model.load_in_4bit=true",
+                    "lora.enabled=true").model.embeddings_in_4bit
 
 
 def test_4bit_and_8bit_exclude_each_other_and_every_problem_is_listed(machine):
@@ -97,8 +119,8 @@ def test_4bit_and_8bit_exclude_each_other_and_every_problem_is_listed(machine):
                  "train.optimizer=adamw_8bit")
     assert "model.load_in_4bit and model.load_in_8bit are both set" in text
     assert "trains nothing without LoRA" in text
-    for what in ("model.load_in_4bit = true", "train.optimizer = adamw_8bit"):
-        assert f"{what} needs a CUDA GPU" in text
+    assert "model.load_in_4bit = true needs bitsandbytes" in text
+    assert "train.optimizer = adamw_8bit needs a CUDA GPU" in text
 
 
 def test_cpu_offload_is_fsdp2s_and_needs_a_gpu(machine):

@@ -35,8 +35,8 @@ CHUNK_BYTES = 64 * 2**20
 @dataclass(frozen=True)
 class OutputHead:
     """The output head as `head_logprobs` projects with it: an `nn.Linear` (possibly tied to
-    the input embeddings), the tanh cap the model applies to its logits, if any, and the
-    products it multiplies with."""
+    the input embeddings) or bitsandbytes' NF4 `Linear4bit` (`model.embeddings_in_4bit`), the
+    tanh cap the model applies to its logits, if any, and the products it multiplies with."""
 
     module: nn.Linear
     softcap: float | None = None
@@ -44,7 +44,17 @@ class OutputHead:
 
     @property
     def weight(self) -> Tensor:
-        return self.module.weight
+        """The head's weight [V, H]; an NF4 head's dequantised in its compute dtype (the dtype
+        a 16-bit head would have), a fresh tensor each time: read once a call, and kept for the
+        backward (`_HeadLogProb`) as a 16-bit head's weight is."""
+        weight = self.module.weight
+        state = getattr(weight, "quant_state", None)
+        if state is None:
+            return weight
+        import bitsandbytes as bnb
+
+        dtype = getattr(self.module, "compute_dtype", None) or state.dtype
+        return bnb.functional.dequantize_4bit(weight.data, state).to(dtype)
 
     @property
     def bias(self) -> Tensor | None:

@@ -216,9 +216,10 @@ def output_head(model: nn.Module, products: Products = TORCH) -> OutputHead | No
     """The head `completion_logprobs` projects the last hidden states with, chunk by chunk; None
     where the model's logits must come from its own forward: a family not known to output
     ``lm_head(hidden)`` (with Gemma 2's tanh cap at most), a config with an output scale, a
-    head that is not a plain `nn.Linear` (LoRA or modules_to_save on it, quantised) or that
-    something else wraps (accelerate's hooks), torch.compile'd or FSDP2-sharded models (the
-    compiled graph, the shards)."""
+    head that is not a plain `nn.Linear` (LoRA or modules_to_save on it, 8-bit; an NF4 head,
+    `model.embeddings_in_4bit`, is projected dequantised) or that something else wraps
+    (accelerate's hooks), torch.compile'd or FSDP2-sharded models (the compiled graph, the
+    shards)."""
     chain = list(wrapper_chain(model))
     lm = chain[-1]
     config = getattr(lm, "config", None)
@@ -230,12 +231,18 @@ def output_head(model: nn.Module, products: Products = TORCH) -> OutputHead | No
             any(getattr(config, name, None) is not None for name in _OUTPUT_SCALES):
         return None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if type(head) not in (nn.Linear, *products.linear_types) or "forward" in vars(head) \
-            or head._forward_hooks or head._forward_pre_hooks:
+    if type(head) not in (nn.Linear, *products.linear_types) and not _nf4_linear(head) \
+            or "forward" in vars(head) or head._forward_hooks or head._forward_pre_hooks:
         return None
     if sharded(model) or any(hasattr(m, "_orig_mod") for m in chain):
         return None
     return OutputHead(head, None if softcap is None else float(softcap), products)
+
+
+def _nf4_linear(module: nn.Module | None) -> bool:
+    """Whether `module` is bitsandbytes' `Linear4bit` (without importing bitsandbytes)."""
+    kind = type(module)
+    return kind.__name__ == "Linear4bit" and kind.__module__.startswith("bitsandbytes.")
 
 
 @contextmanager

@@ -115,11 +115,27 @@ def _features(torch: Any, cuda: bool, gpus: list[dict[str, Any]]) -> dict[str, t
     ampere = all(float(g["capability"]) >= 8.0 for g in gpus) and bool(gpus)
     features["flash_attention_2"] = (ok and ampere, why if not ok else "importable, GPU sm80+"
                                      if ampere else "needs a GPU of compute capability 8.0+")
-    ok, why = _importable("bitsandbytes")
-    features["bitsandbytes (4-bit)"] = (ok and cuda, why if not ok else "importable with CUDA"
-                                        if cuda else "4-bit loading needs a CUDA GPU")
+    features["bitsandbytes (4-bit)"] = _bitsandbytes_status(cuda)
     features["torch.compile"] = _compile_status(torch, cuda)
     return features
+
+
+def _bitsandbytes_status(cuda: bool) -> tuple[bool, str]:
+    """Whether 4-bit (and 8-bit) weights load here: bitsandbytes importable, and without a GPU
+    recent enough to have CPU kernels (`BNB_CPU_MIN`)."""
+    from packaging.version import Version
+
+    from mogrpo.config.hardware import BNB_CPU_MIN, bitsandbytes_version
+
+    ok, why = _importable("bitsandbytes")
+    if not ok:
+        return False, why
+    if cuda:
+        return True, "importable with CUDA"
+    version = bitsandbytes_version()
+    if version and Version(version) >= Version(BNB_CPU_MIN):
+        return True, f"importable, {version} runs 4-/8-bit weights on the CPU"
+    return False, f"{version} has CUDA kernels only; on the CPU it needs >= {BNB_CPU_MIN}"
 
 
 def _compile_status(torch: Any, cuda: bool) -> tuple[bool, str]:

@@ -1,6 +1,7 @@
 """What the small-GPU settings ask of the machine, checked when the config is validated, before
-any model loads: bitsandbytes and a CUDA GPU for the 8-bit optimizers and the 4-/8-bit weights,
-a GPU for FSDP2's CPU offload, and which of them can go together.
+any model loads: bitsandbytes and a CUDA GPU for the 8-bit optimizers, bitsandbytes for the
+4-/8-bit weights (on a CPU too, from 0.46.1), a GPU for FSDP2's CPU offload, and which of them
+can go together.
 
 Torch is imported only to ask for a GPU, and only when a setting needs one; a config that
 names none of them validates without it.
@@ -8,15 +9,24 @@ names none of them validates without it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import TYPE_CHECKING
+
+from packaging.version import Version
 
 if TYPE_CHECKING:
     from mogrpo.config.sections import ModelConfig, RunConfig
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
-"""The optimizers bitsandbytes provides (CUDA only)."""
+"""The optimizers bitsandbytes provides (on CUDA GPUs)."""
 GPU_EXTRA = "pip install 'mogrpo[gpu]'"
+BNB_CPU_MIN = "0.46.1"
+"""The oldest bitsandbytes that quantises and runs 4-bit (NF4) and 8-bit weights on a CPU: its
+kernels moved behind torch custom ops with CPU implementations in 0.46 (0.45's wheel has no
+`bitsandbytes.backends`), and 0.46.1 is the oldest transformers 5.24 accepts at all
+(`BITSANDBYTES_MIN_VERSION`). Checked: NF4 and LLM.int8() loading, LoRA forward and backward
+on CPU with 0.46.1 and 0.50.2 (torch 2.13, transformers 5.24)."""
 
 
 def quantized_field(model: ModelConfig) -> str | None:
@@ -26,9 +36,40 @@ def quantized_field(model: ModelConfig) -> str | None:
     return "model.load_in_8bit" if model.load_in_8bit else None
 
 
+def bitsandbytes_version() -> str | None:
+    """The installed bitsandbytes' version (None: not installed), from its package metadata:
+    importing it would load its native library."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    try:
+        return importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def quantized_weights_problem(field: str, device: str, machine: bool) -> str | None:
+    """Why `field` (`model.load_in_4bit` or `load_in_8bit`) cannot load on this machine for a run
+    on `device`, as a whole message (None: it can; `machine` False: always None, the config is
+    meant for another machine). On a CUDA GPU any bitsandbytes transformers accepts will do;
+    without one (`device: cpu`, or none visible) it must be `BNB_CPU_MIN` or newer."""
+    if not machine:
+        return None
+    installed = bitsandbytes_version()
+    if installed is None:
+        return (f"{field} = true needs bitsandbytes (`{GPU_EXTRA}`), but bitsandbytes is not "
+                f"installed; install it, or on this machine set {field}: false")
+    on_cpu = device == "cpu" or not _cuda()
+    if on_cpu and Version(installed) < Version(BNB_CPU_MIN):
+        return (f"{field} = true on a CPU needs bitsandbytes >= {BNB_CPU_MIN} (older ones have "
+                f"CUDA kernels only), but {installed} is installed; upgrade it (`pip install -U "
+                f"'bitsandbytes>={BNB_CPU_MIN}'`), or set {field}: false")
+    return None
+
+
 def bitsandbytes_problem(device: str, machine: bool) -> str | None:
-    """Why bitsandbytes cannot run for a run on `device` (None: it can). `machine`: also look at
-    this machine (the package installed, a CUDA GPU visible); else only at the config."""
+    """Why bitsandbytes' 8-bit optimizers cannot run for a run on `device` (None: they can).
+    `machine`: also look at this machine (the package installed, a CUDA GPU visible); else only
+    at the config."""
     if device == "cpu":
         return "device is cpu"
     if not machine:
@@ -52,6 +93,10 @@ def quantization_errors(model: ModelConfig, lora: bool) -> list[str]:
     if model.load_in_4bit and model.load_in_8bit:
         errors.append("model.load_in_4bit and model.load_in_8bit are both set: the weights load "
                       "in one format; keep one of them")
+    if model.embeddings_in_4bit and not model.load_in_4bit:
+        errors.append("model.embeddings_in_4bit stores the embedding and head in NF4 beside a "
+                      "4-bit base; set model.load_in_4bit: true as well, or "
+                      "embeddings_in_4bit: false")
     if quantized and not lora:
         errors.append(f"{quantized} trains nothing without LoRA (quantised weights are frozen); "
                       "set lora.enabled: true")
@@ -64,14 +109,14 @@ def small_gpu_errors(config: RunConfig, machine: bool = True) -> list[str]:
     mc, optimizer = config.model, config.train.optimizer
     quantized = quantized_field(mc)
     errors = quantization_errors(mc, config.lora.enabled)
-    bnb = [(f"{quantized} = true", f"set {quantized}: false")] if quantized else []
-    if optimizer in BNB_OPTIMIZERS:
-        bnb.append((f"train.optimizer = {optimizer}",
-                    "use train.optimizer: adamw, or adafactor (its state is also small)"))
-    problem = bitsandbytes_problem(config.device, machine) if bnb else None
-    for what, fix in bnb if problem else ():
-        errors.append(f"{what} needs a CUDA GPU and bitsandbytes (`{GPU_EXTRA}`), but "
-                      f"{problem}; on this machine {fix}")
+    weights = quantized_weights_problem(quantized, config.device, machine) if quantized else None
+    errors.extend([weights] if weights else [])
+    problem = (bitsandbytes_problem(config.device, machine) if optimizer in BNB_OPTIMIZERS
+               else None)
+    if problem:
+        errors.append(f"train.optimizer = {optimizer} needs a CUDA GPU and bitsandbytes "
+                      f"(`{GPU_EXTRA}`), but {problem}; on this machine use train.optimizer: "
+                      "adamw, or adafactor (its state is also small)")
     dc = config.distributed
     if dc.cpu_offload and dc.strategy != "fsdp":
         errors.append(f"distributed.cpu_offload moves FSDP2's shards to host memory, but "

@@ -1,6 +1,6 @@
 """What a run asks of this machine: a CUDA GPU where `device: cuda` says so, bfloat16 where the
-precision asks for it, flash-attention's package (bitsandbytes and CUDA for quantised weights
-and 8-bit optimizers: `mogrpo.config.hardware`), Icarus Verilog for `verilog_tests`, and the
+precision asks for it, flash-attention's package (bitsandbytes for quantised weights, with CUDA
+for 8-bit optimizers: `mogrpo.config.hardware`), Icarus Verilog for `verilog_tests`, and the
 namespaces `sandbox.isolation: required` asks of the code rewards.
 
 Checked by `validate` (`machine=True`) before any data or model loads, and again by the

@@ -53,16 +53,24 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Allow model code from the hub repository to run (only for models you trust)."""
     load_in_4bit: bool = False
-    """Load the linear weights in 4-bit NF4 (QLoRA; needs lora.enabled, a CUDA GPU and `pip
-    install 'mogrpo[gpu]'`). Under a mixed precision the 1-D weights (norms, biases) are cast to
-    float32, as QLoRA trained: HF's RMSNorm returns its weight's dtype, so the residual stream
-    then sums in float32 (the norms take their statistics in float32 whatever the weight's
-    dtype). The embedding and head keep the compute dtype, unlike peft's preparation: a
+    """Load the linear weights in 4-bit NF4 (QLoRA; needs lora.enabled and `pip install
+    'mogrpo[gpu]'`: bitsandbytes, on a CUDA GPU or, from bitsandbytes 0.46.1, on the CPU).
+    Under a mixed precision the 1-D weights (norms, biases) are cast to float32, as QLoRA
+    trained: HF's RMSNorm returns its weight's dtype, so the residual stream then sums in
+    float32 (the norms take their statistics in float32 whatever the weight's dtype). The
+    embedding and head keep the compute dtype, unlike peft's preparation: a
     float32 copy of their 16-bit values adds 2 B a parameter (2.1 GB on Llama-3-8B) and no
     information, and autocast computes the head in the compute dtype anyway."""
     load_in_8bit: bool = False
     """Load the linear weights in 8-bit (LLM.int8(), Dettmers et al. 2022): twice 4-bit's
     memory, closer to the 16-bit base; as `load_in_4bit` otherwise, and exclusive with it."""
+    embeddings_in_4bit: bool = False
+    """With `load_in_4bit`: store the input embedding and the output head in NF4 too (one
+    4-bit table where they are tied), dequantised as they are used: the base then takes ~0.52
+    B a parameter instead of 0.67-0.93 (docs/memory.md, "Small GPUs"). Off by default, as in
+    QLoRA and transformers: the head's logits then carry NF4's rounding (the policy's and the
+    reference's alike), and while the head runs its weight is dequantised whole in the compute
+    dtype (V × H × 2 B under bf16: 1.05 GB on Llama-3.1-8B, which the planner counts)."""
     use_chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template; null = when the tokenizer has one."""
     chat_template: str | None = None

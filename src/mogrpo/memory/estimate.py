@@ -474,6 +474,13 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     # this process's prompts × K, generated at once unless rollout.generation_batch_size caps it
     n_gen = min(layout.rows, run.rollout.generation_batch_size or layout.rows)
     kv_token = 2 * shape.layers * shape.kv_dim * p
+    # an NF4 head (model.embeddings_in_4bit) is dequantised whole, in the compute dtype, for
+    # each product: prefill's, a decode step's, the log-prob head's (kept for its backward)
+    nf4_head = run.model.load_in_4bit and run.model.embeddings_in_4bit
+    compute = 4 if resolve_precision(run.model.precision, run.model.dtype, device) == "fp32" \
+        else 2
+    dequantised = shape.vocab * shape.hidden * compute if nf4_head else 0
+    dequantised_how = f"the NF4 head dequantised ({shape.vocab} × {shape.hidden} × {compute} B)"
     terms: list[Term] = []
     if run.rollout.engine != "vllm":  # vLLM's KV cache and prefill are in its share
         _add(terms, "kv_cache", "KV cache (generation)", kv_token * seq * n_gen, "generation",
@@ -483,8 +490,9 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
         # act) at a time; last-token logits
         mlp = (3 if shape.gated_mlp else 2) * shape.intermediate
         _add(terms, "prefill", "prefill working set",
-             n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12,
-             "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a time")
+             n_gen * prompt * p * (2 * shape.hidden + mlp) + n_gen * shape.vocab * 12
+             + dequantised, "generation", f"{n_gen} prompts × {prompt} tokens, one layer at a "
+             "time" + (f"; {dequantised_how}" if nf4_head else ""))
     act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1,
                                   layout.strategy, prompt)
     how = "checkpointed" if run.model.gradient_checkpointing else "no checkpointing"
@@ -497,8 +505,11 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     trained_head = not run.lora.enabled
     head_w = MASTER_BYTES[precision] if trained_head else 4 if precision == "fp32" else 2
     value, head_how = head_bytes(shape, b, completion, p, trained=trained_head,
-                                      is_chunked=chunked(shape, layout.strategy),
-                                      weight_bytes=head_w)
+                                 is_chunked=chunked(shape, layout.strategy),
+                                 weight_bytes=head_w)
+    if nf4_head:
+        value += dequantised
+        head_how += f"; {dequantised_how}"
     _add(terms, "logits", "log-prob head (training)", value, "training", head_how)
     sft = run.sft
     if sft.enabled:  # the warm-up: whole sequences, and HF's loss upcasts all their logits

@@ -110,7 +110,7 @@ def _four_bit(run: RunConfig, nproc: int) -> Rung:
     ok = run.lora.enabled and not run.model.load_in_4bit
     return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
             "small quality cost (QLoRA reports parity with 16-bit LoRA); slower matmuls; needs "
-            "CUDA and bitsandbytes")
+            "bitsandbytes (on a CPU 0.46.1 or newer)")
 
 
 def _completions(run: RunConfig, nproc: int) -> Rung:

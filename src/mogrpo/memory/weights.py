@@ -1,6 +1,6 @@
 """What the planner counts for the weights: trained ones in the master dtype, a frozen LoRA
-base in the compute one, a quantised base's linear layers in 4 or 8 bits (docs/memory.md,
-"Small GPUs")."""
+base in the compute one, a quantised base's linear layers in 4 or 8 bits, and its embedding
+and head too with `model.embeddings_in_4bit` (docs/memory.md, "Small GPUs")."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def weight_bytes(shape: Architecture, run: RunConfig, precision: str) -> tuple[i
     """Bytes of every weight (trained in the master dtype, a frozen LoRA base in the compute
     one), and how. A quantised base: its linear weights in 4 or 8 bits, its 1-D weights in
     the master dtype (fp32 but under pure bf16: `mogrpo.modeling.quantize`), the embedding and
-    head in the compute dtype."""
+    head in the compute dtype, or in NF4 with `model.embeddings_in_4bit` (a tied pair once)."""
     n_all, n_lin = shape.params, shape.linear_params()
     master, compute = MASTER_BYTES[precision], 4 if precision == "fp32" else 2
     quantized = quantized_field(run.model)
@@ -44,6 +44,9 @@ def weight_bytes(shape: Architecture, run: RunConfig, precision: str) -> tuple[i
     else:  # int8 codes and an fp32 scale per output row (LLM.int8()'s SCB)
         rows = sum(lin.out_features for lin in shape.modules.linears)
         lin, each = n_lin + 4 * rows, f"× 1 B + {rows:,} row scales × 4 B"
-    return (int(math.ceil(lin)) + n_vec * master + n_emb * compute,
+    emb, emb_each = n_emb * compute, f"{compute} B"
+    if quantized.endswith("4bit") and run.model.embeddings_in_4bit:
+        emb, emb_each = n_emb * NF4_BYTES, f"{NF4_BYTES:.3f} B"
+    return (int(math.ceil(lin + emb)) + n_vec * master,
             f"{n_lin / 1e9:.2f} B linear weights {each} + {n_emb / 1e9:.2f} B embedding/head "
-            f"× {compute} B + {n_vec / 1e6:.2f} M norms, biases × {master} B")
+            f"× {emb_each} + {n_vec / 1e6:.2f} M norms, biases × {master} B")

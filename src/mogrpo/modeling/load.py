@@ -26,11 +26,13 @@ from mogrpo.errors import ConfigError, ModelError
 from mogrpo.modeling.architecture import ModuleTree, check_lora_targets, lora_targets
 from mogrpo.modeling.dropout import disable_dropout as switch_off_dropout
 from mogrpo.modeling.dropout import original_dropout_config
+from mogrpo.modeling.embeddings4bit import quantize_embeddings
 from mogrpo.modeling.quantize import (
     check_bitsandbytes,
     is_quantized,
     prepare_quantized,
     quantization_config,
+    quantized_device_map,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,9 +99,10 @@ def _unreachable(name_or_path: str, what: str, err: Exception) -> ModelError:
     )
 
 
-def _check_accelerators(quantized: str | None, attn_implementation: str | None) -> None:
+def _check_accelerators(quantized: str | None, attn_implementation: str | None,
+                        device: torch.device | None) -> None:
     if quantized:
-        check_bitsandbytes(quantized)
+        check_bitsandbytes(quantized, device)
     # (4-bit and 8-bit weights: bitsandbytes' own check above, with its message)
     problems = accelerator_problems(attn_implementation)
     if problems:
@@ -149,6 +152,7 @@ def load_policy(
     lora: LoraSettings | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    embeddings_in_4bit: bool = False,
     tokenizer_name_or_path: str | None = None,
     disable_dropout: bool = True,
     device: torch.device | None = None,
@@ -160,15 +164,22 @@ def load_policy(
     `disable_dropout` sets the model's own dropout to 0 (see `mogrpo.modeling.dropout`; LoRA's
     dropout is kept); a wrong `lora.target_modules` is reported before the weights load.
     `device` a CUDA device: the weights load straight onto it, never whole in host memory
-    (otherwise they load on the CPU, where the caller moves them). `dtype` is that of every
+    (otherwise they load on the CPU, where the caller moves them); a quantised base loads
+    where `quantized_device_map` says (the CPU too, with bitsandbytes >= 0.46.1). `dtype` is that of every
     weight as loaded (a quantised base's compute dtype); LoRA adapters are `adapter_dtype`,
     and a quantised base's 1-D weights too when that is float32 (`prepare_quantized`).
+    `embeddings_in_4bit` (with `load_in_4bit`): the embedding and head in NF4 as well
+    (`mogrpo.modeling.embeddings4bit`).
     """
     torch_dtype = resolve_dtype(dtype)
     if load_in_4bit and load_in_8bit:
         raise ConfigError("model.load_in_4bit and model.load_in_8bit are both set; keep one")
     bits = 4 if load_in_4bit else 8 if load_in_8bit else None
-    _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation)
+    if embeddings_in_4bit and bits != 4:
+        raise ConfigError("model.embeddings_in_4bit is set without model.load_in_4bit; set "
+                          "both, or embeddings_in_4bit: false")
+    _check_accelerators(f"model.load_in_{bits}bit" if bits else None, attn_implementation,
+                        device)
     config = _causal_lm_config(name_or_path, trust_remote_code)
     if lora is not None:
         check_lora_targets(config, lora.target_modules, trust_remote_code=trust_remote_code)
@@ -180,6 +191,9 @@ def load_policy(
     if disable_dropout:
         _log_dropout(switch_off_dropout(model), lora)
 
+    if embeddings_in_4bit:
+        logger.info("NF4 %s (model.embeddings_in_4bit)",
+                    " and ".join(quantize_embeddings(model, torch_dtype)))
     if bits:
         # float32 adapters (mixed precision): the 1-D weights too, not peft's every 16-bit
         # weight; pure bf16: nothing (see mogrpo.modeling.quantize)
@@ -228,7 +242,7 @@ def _load_kwargs(torch_dtype: torch.dtype, trust_remote_code: bool,
         kwargs["attn_implementation"] = attn_implementation
     if bits:
         kwargs["quantization_config"] = quantization_config(bits, torch_dtype)
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
+        kwargs["device_map"] = quantized_device_map(device)
     elif device is not None and device.type == "cuda":
         kwargs["device_map"] = {"": torch.cuda.current_device() if device.index is None
                                 else device.index}

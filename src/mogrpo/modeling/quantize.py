@@ -16,24 +16,33 @@ the bfloat16 head, and the run asked for bfloat16 throughout.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 from torch import nn
 
-from mogrpo.config.hardware import GPU_EXTRA
+from mogrpo.config.hardware import quantized_weights_problem
 from mogrpo.errors import ModelError
 
 
-def check_bitsandbytes(field: str) -> None:
-    """A ModelError naming `field` unless bitsandbytes and a CUDA GPU are here (config
+def check_bitsandbytes(field: str, device: torch.device | None) -> None:
+    """A ModelError naming `field` unless this machine's bitsandbytes can load it onto
+    `device` (None: the GPU if there is one): installed, and on a CPU 0.46.1 or newer (config
     validation says the same earlier; this guards `load_policy` called directly)."""
-    if torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None:
-        return
-    bits = "8-bit" if field.endswith("8bit") else "4-bit"
-    raise ModelError(f"{field} is set but {bits} loading needs a CUDA GPU and `{GPU_EXTRA}` "
-                     f"(bitsandbytes); on this machine set {field}: false")
+    problem = quantized_weights_problem(field, device.type if device else "auto", machine=True)
+    if problem:
+        raise ModelError(problem)
+
+
+def quantized_device_map(device: torch.device | None) -> dict[str, int | str]:
+    """Where transformers puts a quantised model as it loads (bitsandbytes quantises each
+    weight as it moves there): `device` when it is a GPU, else the current GPU when `device`
+    is None and one is visible, else the CPU."""
+    if device is not None and device.type == "cuda":
+        return {"": torch.cuda.current_device() if device.index is None else device.index}
+    if device is None and torch.cuda.is_available():
+        return {"": torch.cuda.current_device()}
+    return {"": "cpu"}
 
 
 def quantization_config(bits: int, compute_dtype: torch.dtype) -> Any:
@@ -65,3 +74,31 @@ def is_quantized(model: nn.Module) -> bool:
     """Whether transformers loaded `model` (a plain model, not a peft wrapper) quantised."""
     return any(getattr(model, flag, False) for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit")
                ) or getattr(model, "hf_quantizer", None) is not None
+
+
+def frozen_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes, parameters) of `model`'s frozen weights as stored — every parameter that is not
+    trained and every buffer, a shared (tied) tensor once — with what bitsandbytes keeps
+    beside a quantised weight: NF4's absmax, its nested constants and code tables, LLM.int8()'s
+    row scales. Parameters count a 4-bit weight's values, not its packed bytes. What the
+    planner's weights term predicts for a LoRA base (`mogrpo.memory.weights`)."""
+    seen: set[int] = set()
+    nbytes = params = 0
+
+    def add(t: torch.Tensor | None) -> int:
+        if t is None or t.data_ptr() in seen:
+            return 0
+        seen.add(t.data_ptr())
+        return t.nbytes
+
+    for param in model.parameters():
+        if param.requires_grad or param.data_ptr() in seen:
+            continue
+        state = getattr(param, "quant_state", None)
+        params += param.numel() * (2 if state is not None else 1)
+        nbytes += add(param)
+        for holder in (state, getattr(state, "state2", None)):
+            for name in ("absmax", "code", "offset"):
+                nbytes += add(getattr(holder, name, None))
+        nbytes += add(getattr(param, "SCB", None))
+    return nbytes + sum(add(b) for b in model.buffers()), params

@@ -22,6 +22,7 @@ def _training(config: RunConfig) -> str:
     how = f"LoRA r {lc.r} (alpha {lc.alpha:g})" if lc.enabled else "full fine-tuning"
     if mc.load_in_4bit or mc.load_in_8bit:
         how += f", {4 if mc.load_in_4bit else 8}-bit base"
+        how += " with its embedding and head" if mc.embeddings_in_4bit else ""
     if config.train.optimizer != "adamw":
         how += f", {config.train.optimizer}"
     return how

@@ -1,0 +1,60 @@
+"""QLoRA on the CPU end to end through the CLI: a tiny model's base loaded in 4-bit NF4 by the
+bitsandbytes installed here (skipped without one of 0.46.1 or newer: CI installs none), GRPO
+steps training the LoRA adapters on it (with `embeddings_in_4bit` too), the adapter saved (no
+merged model: see save_model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.version import Version
+from safetensors.torch import load_file
+
+from mogrpo.cli import main
+from mogrpo.config.hardware import BNB_CPU_MIN, bitsandbytes_version
+from mogrpo.demo import demo_base
+
+pytest.importorskip("bitsandbytes")
+if Version(bitsandbytes_version() or "0") < Version(BNB_CPU_MIN):
+    pytest.skip(f"bitsandbytes {bitsandbytes_version()} has no CPU kernels",
+                allow_module_level=True)
+USER_REWARDS = Path(__file__).with_name("user_rewards.py")
+
+
+@pytest.mark.parametrize("embeddings", [False, True], ids=["4bit", "4bit+embeddings"])
+def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys, embeddings):
+    config = demo_base()
+    config["model"].update(name_or_path=str(tiny_model), load_in_4bit=True,
+                           embeddings_in_4bit=embeddings)
+    config["output"]["dir"] = str(tmp_path / "run")
+    for task in config["tasks"].values():
+        task["data"] += "?size=40"
+        task["eval_size"] = 8
+    # varies within every group from the first step: a gradient at every step
+    config["tasks"]["fairness"]["rewards"].append(
+        {"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"})
+    config["lora"] = {"enabled": True, "r": 4, "alpha": 8}
+    config["train"].update(max_steps=2, micro_batch_size=8, gradient_accumulation_steps=1,
+                           learning_rate=1e-2, warmup_steps=0)
+    config["rollout"].update(num_generations=4)
+    config["sft"] = {"enabled": False}
+    config["eval"].update(max_samples=4)
+    config["logging"] = {"progress_bar": False}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+
+    assert main(["train", str(path)]) == 0
+    with_embeddings = " with its embedding and head" if embeddings else ""
+    assert f"— LoRA r 4 (alpha 8), 4-bit base{with_embeddings}\n" in capsys.readouterr().err
+    run = tmp_path / "run"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["policy/grad_norm"] > 0 for m in steps)
+    adapter = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # every adapter moved from B = 0
+    assert not (run / "final" / "merged").exists()
