@@ -204,6 +204,14 @@ def test_mkl_is_native_on_intel_cpus_only():
     assert not cpu_linear.mkl_native("")
 
 
+def test_training_products_go_to_onednn_only_where_avx512_beats_mkls_avx2():
+    assert cpu_linear.onednn_trains_faster(_cpuinfo("AuthenticAMD", 26, "avx512f"))  # Zen 5
+    assert cpu_linear.onednn_trains_faster(_cpuinfo("AuthenticAMD", 25, "avx512f avx512bw"))
+    assert not cpu_linear.onednn_trains_faster(_cpuinfo("AuthenticAMD", 25, ""))  # Zen 3
+    assert not cpu_linear.onednn_trains_faster(_cpuinfo("GenuineIntel", 6, "avx512f"))
+    assert not cpu_linear.onednn_trains_faster("")  # no /proc/cpuinfo: torch's own products
+
+
 def _cpuinfo(vendor: str, family: int, flags: str) -> str:
     block = (f"processor\t: {{n}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
              f"model\t\t: 17\nflags\t\t: fpu sse2 avx2 {flags}\n\n")

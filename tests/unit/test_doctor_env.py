@@ -40,15 +40,17 @@ def test_no_gpu_report_says_so_and_shows_cpu_and_ram(no_gpu):
     assert "CPU products: training on " in text and "; decode on " in text
 
 
-@pytest.mark.parametrize(("intel", "training"), [
-    (True, "training on MKL (an Intel CPU: MKL runs its own AVX-512 code)"),
-    (False, "training on oneDNN;")])
-def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, training):
+@pytest.mark.parametrize(("intel", "onednn", "training"), [
+    (True, False, "training on MKL (an Intel CPU: MKL runs its own AVX-512 code)"),
+    (False, False, "training on MKL (no AVX-512: oneDNN's gain over MKL's AVX2 code)"),
+    (False, True, "training on oneDNN;")])
+def test_the_report_names_the_kernels_of_this_cpu(no_gpu, monkeypatch, intel, onednn, training):
     from mogrpo.kernels.cpu import linear as cpu_linear
 
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN")
-    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: not intel)
+    monkeypatch.setattr(cpu_linear, "training_on_onednn", lambda: onednn)
+    monkeypatch.setattr(cpu_linear, "mkl_native", lambda cpuinfo=None: intel)
     monkeypatch.setattr(cpu_linear, "decode_on_onednn", lambda: False)
     monkeypatch.setattr(cpu_linear, "decode_on_mkl", lambda: intel)
     text = report(collect())

@@ -12,9 +12,10 @@ AVX-512 code and is the faster of the two for training products:
 | EPYC Zen 4 (AVX-512 in two halves) | MKL 6.9 ms, oneDNN 6.6 ms | see below |
 | Xeon Cascade Lake (family 6 model 85) | MKL 6.1 ms, oneDNN 7.0 ms | see below |
 
-So the training products (hundreds of rows) run on oneDNN where MKL does not run its own code
-(`training_on_onednn`) — at worst ~4 % faster than MKL, at best twice as fast — and on MKL on
-Intel CPUs (the Xeon's forward and backward of the vs_trl 8 M-parameter model: 510 ms against
+So the training products (hundreds of rows) run on oneDNN where the CPU has AVX-512 and MKL does
+not run its own code (`training_on_onednn`) — at worst ~4 % faster than MKL, at best twice as
+fast — on MKL on CPUs without AVX-512 (AMD Zen 3 and older: both then run AVX2 code, and MKL's
+update of the vs_trl 8 M-parameter model took 10-20 % less time), and on MKL on Intel CPUs (the Xeon's forward and backward of the vs_trl 8 M-parameter model: 510 ms against
 oneDNN's 610; 0.7 M: 65 against 83). A decode step's products (one row per sequence) are a
 matter of fixed cost per call against throughput. On Zen 4 at 16 rows, oneDNN on packed weights
 is 1.1-1.6x faster than MKL from 256 inputs and in x out = 2^17 up (256 x 512 1.08x, 256 x 768
@@ -90,10 +91,21 @@ def mkl_native(cpuinfo: str | None = None) -> bool:
 
 @functools.cache
 def training_on_onednn() -> bool:
-    """Whether the training products (`linear`, `cpu_linears`) run on oneDNN here: wherever
-    it is available except on CPUs where MKL runs its own code (`mkl_native`), which there
-    outruns it (see the module docstring)."""
-    return available() and not mkl_native()
+    """Whether the training products (`linear`, `cpu_linears`) run on oneDNN here: where it is
+    available and `onednn_trains_faster` says so for this CPU."""
+    return available() and onednn_trains_faster()
+
+
+def onednn_trains_faster(cpuinfo: str | None = None) -> bool:
+    """Whether oneDNN outruns MKL at training products on this CPU: one with AVX-512F that MKL
+    does not run its own code on (`mkl_native`: Intel's). oneDNN's gain is its AVX-512 code
+    against MKL's AVX2 (the module docstring); on a CPU without AVX-512 both run AVX2 and MKL was
+    the faster: the vs_trl 8 M-parameter model's update on an AMD EPYC of family 25 model 1
+    (Zen 3), alternated, 376-396 ms against oneDNN's 428-491 with 2 threads and 545-581 against
+    606-666 with 1 (`benchmarks/profile_step.py --size medium --threads N`). `cpuinfo` as for
+    `wide_avx512`."""
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    return not mkl_native(text) and "avx512f" in _first_cpu(text).get("flags", "").split()
 
 
 def kernels() -> dict[str, str]:
@@ -102,7 +114,8 @@ def kernels() -> dict[str, str]:
     if not available():
         return {"training": "MKL (this torch has no oneDNN)", "decode": "MKL"}
     training = ("oneDNN" if training_on_onednn()
-                else "MKL (an Intel CPU: MKL runs its own AVX-512 code)")
+                else "MKL (an Intel CPU: MKL runs its own AVX-512 code)" if mkl_native()
+                else "MKL (no AVX-512: oneDNN's gain over MKL's AVX2 code)")
     if decode_on_mkl():
         decode = "MKL on packed weights"
     elif decode_on_onednn():
