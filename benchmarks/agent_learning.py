@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from mogrpo.kernels.cpu.linear import cpu_name
+from mogrpo.kernels.cpu.linear import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "calc"
@@ -107,11 +106,6 @@ def to_markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    return (f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -134,11 +128,11 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         "# The calculator agent learns: greedy held-out eval (40 questions) after the warm-up "
-        f"and after GRPO\n\nMachine: {machine()}. Commit {commit}. Command: `{command}` "
+        f"and after GRPO\n\nMachine: {machine_line()}. Commit {commit}. Command: `{command}` "
         f"({args.jobs} seeds at a time, one thread each).\n\n{table}",
         encoding="utf-8")
     args.out.with_suffix(".json").write_text(
-        json.dumps({"machine": machine(), "commit": commit, "command": command,
+        json.dumps({"machine": machine_line(), "commit": commit, "command": command,
                     "seeds": results}, indent=2), encoding="utf-8")
     print(table)
 

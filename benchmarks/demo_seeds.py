@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from mogrpo.kernels.cpu.linear import cpu_name
+from mogrpo.kernels.cpu.linear import machine_line
 
 
 def band_of(config: dict, task: str) -> tuple[float, float] | None:
@@ -118,11 +116,6 @@ def to_markdown(results: list[dict]) -> str:
     return "\n".join([head, rule, *rows, "", note])
 
 
-def machine() -> str:
-    return (f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -142,7 +135,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         f"# `mogrpo demo`: greedy held-out accuracy (200 prompts per task) and KL per task\n\n"
-        f"Machine: {machine()}. Commit {commit}. Rollout engine: {engine}. "
+        f"Machine: {machine_line()}. Commit {commit}. Rollout engine: {engine}. "
         f"Command: `{command}`\n\n{table}\n",
         encoding="utf-8",
     )

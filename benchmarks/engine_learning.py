@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -236,10 +235,9 @@ def paired_tests(hf: list[float], native: list[float], margin: float) -> dict[st
 
 
 def machine() -> str:
-    from mogrpo.kernels.cpu.linear import cpu_name
+    from mogrpo.kernels.cpu.linear import machine_line
 
-    return (f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}")
+    return machine_line()
 
 
 def to_markdown(result: dict[str, Any]) -> str:

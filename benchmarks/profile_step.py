@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import pstats
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys

@@ -24,7 +24,6 @@ from typing import Any
 import arith_rewards
 from workload import Settings
 
-
 PHASES = ("generation", "reward", "reference forward", "policy forward + loss", "backward",
           "grad clip", "optimizer")
 

@@ -16,8 +16,8 @@ import mogrpo.algo.head_logprobs as chunked
 import mogrpo.algo.logprobs as logprobs
 from grpo_batch import shared_prompt_batch
 from mogrpo.algo.head_logprobs import OutputHead, head_logprobs
-from mogrpo.algo.products import Products
 from mogrpo.algo.logprobs import completion_logprobs, output_head, token_logprobs_and_entropy
+from mogrpo.algo.products import Products
 from mogrpo.modeling.dropout import disable_dropout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: architectures

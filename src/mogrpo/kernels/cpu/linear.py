@@ -156,6 +156,16 @@ def cpu_name(cpuinfo: str | None = None) -> str:
             f"model {fields.get('model', '?')}, {kernels})")
 
 
+def machine_line() -> str:
+    """The machine as benchmark reports open with it: architecture, `cpu_name`, the cores this
+    process sees and the Python version."""
+    import os
+    import platform
+
+    return (f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}")
+
+
 def _first_cpu(cpuinfo: str) -> dict[str, str]:
     """The first processor block of /proc/cpuinfo's text as fields (it speaks for all)."""
     fields: dict[str, str] = {}
