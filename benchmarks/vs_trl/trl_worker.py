@@ -6,7 +6,7 @@
 Writes per-step wall and CPU times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
 tokenize, `model.generate`, decode — what mogrpo's `time/rollout_s` covers) and completion
 token counts. Rewards come from the shared reward log (see arith_rewards.py). `--phases` also
-writes each step's wall time per phase (`PHASES`: generation, rewards, the reference pass, the
+writes each step's wall time per phase (generation, rewards, the reference pass, the
 policy's forward and loss, backward, clipping, the optimizer), to set beside
 `benchmarks/profile_step.py`'s figures for mogrpo.
 """
@@ -23,9 +23,6 @@ from typing import Any
 
 import arith_rewards
 from workload import Settings
-
-PHASES = ("generation", "reward", "reference forward", "policy forward + loss", "backward",
-          "grad clip", "optimizer")
 
 
 class StepTimer:
