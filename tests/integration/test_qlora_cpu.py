@@ -1,7 +1,8 @@
 """QLoRA on the CPU end to end through the CLI: a tiny model's base loaded in 4-bit NF4 by the
 bitsandbytes installed here (skipped without one of 0.46.1 or newer: CI installs none), GRPO
 steps training the LoRA adapters on it (with `embeddings_in_4bit` too), the adapter saved (no
-merged model: see save_model)."""
+merged model: see save_model); and full fine-tuning with bitsandbytes' 8-bit AdamW on the CPU
+(0.50.0 or newer)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from packaging.version import Version
 from safetensors.torch import load_file
 
 from mogrpo.cli import main
-from mogrpo.config.hardware import BNB_CPU_MIN, bitsandbytes_version
+from mogrpo.config.hardware import BNB_CPU_MIN, BNB_CPU_OPTIM_MIN, bitsandbytes_version
 from mogrpo.demo import demo_base
 
 pytest.importorskip("bitsandbytes")
@@ -58,3 +59,39 @@ def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys
     lora_b = [v for k, v in adapter.items() if "lora_B" in k]
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # every adapter moved from B = 0
     assert not (run / "final" / "merged").exists()
+
+
+@pytest.mark.skipif(Version(bitsandbytes_version() or "0") < Version(BNB_CPU_OPTIM_MIN),
+                    reason=f"bitsandbytes {bitsandbytes_version()} has no CPU 8-bit optimizers")
+def test_grpo_full_fine_tuning_with_8bit_adamw_on_the_cpu(tmp_path, tiny_model):
+    """paged_adamw_8bit: on a CPU the plain 8-bit AdamW (nothing to page)."""
+    config = demo_base()
+    config["model"]["name_or_path"] = str(tiny_model)
+    config["output"]["dir"] = str(tmp_path / "run")
+    for task in config["tasks"].values():
+        task["data"] += "?size=40"
+        task["eval_size"] = 8
+    config["tasks"]["fairness"]["rewards"].append(
+        {"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"})
+    config["train"].update(max_steps=2, micro_batch_size=8, gradient_accumulation_steps=1,
+                           learning_rate=1e-3, warmup_steps=0, optimizer="paged_adamw_8bit")
+    config["rollout"].update(num_generations=4)
+    config["sft"] = {"enabled": False}
+    config["eval"].update(max_samples=4)
+    config["logging"] = {"progress_bar": False}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps if "loss" in m] == [1, 2]
+    optimizer = next(run.rglob("optimizer*.pt"))
+    import torch
+
+    state = torch.load(optimizer, weights_only=False)["state"]
+    m = [s["__bnb_optimizer_quant_state__"]["state1"] for s in state.values()]
+    # bitsandbytes' state: m in 8 bits for every tensor of 4,096 values or more (the embedding
+    # of this tiny model), in fp32 for the smaller ones
+    assert {t.dtype for t in m} == {torch.uint8, torch.float32}
+    assert all((t.dtype == torch.uint8) == (t.numel() >= 4096) for t in m)

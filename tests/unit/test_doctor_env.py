@@ -148,9 +148,11 @@ def test_pre_ampere_gpu_has_no_bf16_nor_flash_attention(two_gpus, monkeypatch):
     ((True, "importable"), "0.45.5", [False, "0.45.5 has CUDA kernels only; on the CPU it needs "
                                             ">= 0.46.1"]),
     ((True, "importable"), "0.46.1", [True, "importable, 0.46.1 runs 4-/8-bit weights on the "
-                                           "CPU"]),
+                                           "CPU (8-bit optimizers from 0.50.0)"]),
+    ((True, "importable"), "0.50.0", [True, "importable, 0.50.0 runs 4-/8-bit weights and 8-bit "
+                                           "optimizers on the CPU"]),
 ])
-def test_without_a_gpu_4bit_weights_need_bitsandbytes_0_46_1(no_gpu, monkeypatch, importable,
+def test_without_a_gpu_4bit_weights_need_bitsandbytes_0_46_1_and_optimizers_0_50(no_gpu, monkeypatch, importable,
                                                             version, status):
     from mogrpo.config import hardware
 

@@ -122,10 +122,11 @@ def _features(torch: Any, cuda: bool, gpus: list[dict[str, Any]]) -> dict[str, t
 
 def _bitsandbytes_status(cuda: bool) -> tuple[bool, str]:
     """Whether 4-bit (and 8-bit) weights load here: bitsandbytes importable, and without a GPU
-    recent enough to have CPU kernels (`BNB_CPU_MIN`)."""
+    recent enough to have CPU kernels (`BNB_CPU_MIN`); and whether its 8-bit optimizers step
+    CPU tensors (`BNB_CPU_OPTIM_MIN`)."""
     from packaging.version import Version
 
-    from mogrpo.config.hardware import BNB_CPU_MIN, bitsandbytes_version
+    from mogrpo.config.hardware import BNB_CPU_MIN, BNB_CPU_OPTIM_MIN, bitsandbytes_version
 
     ok, why = _importable("bitsandbytes")
     if not ok:
@@ -133,8 +134,11 @@ def _bitsandbytes_status(cuda: bool) -> tuple[bool, str]:
     if cuda:
         return True, "importable with CUDA"
     version = bitsandbytes_version()
+    if version and Version(version) >= Version(BNB_CPU_OPTIM_MIN):
+        return True, f"importable, {version} runs 4-/8-bit weights and 8-bit optimizers on the CPU"
     if version and Version(version) >= Version(BNB_CPU_MIN):
-        return True, f"importable, {version} runs 4-/8-bit weights on the CPU"
+        return True, (f"importable, {version} runs 4-/8-bit weights on the CPU (8-bit optimizers "
+                      f"from {BNB_CPU_OPTIM_MIN})")
     return False, f"{version} has CUDA kernels only; on the CPU it needs >= {BNB_CPU_MIN}"
 
 

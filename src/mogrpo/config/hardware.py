@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from mogrpo.config.sections import ModelConfig, RunConfig
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
-"""The optimizers bitsandbytes provides (on CUDA GPUs)."""
+"""The optimizers bitsandbytes provides (on CUDA GPUs; on a CPU from `BNB_CPU_OPTIM_MIN`)."""
 GPU_EXTRA = "pip install 'mogrpo[gpu]'"
 BNB_CPU_MIN = "0.46.1"
 """The oldest bitsandbytes that quantises and runs 4-bit (NF4) and 8-bit weights on a CPU: its
@@ -27,6 +27,11 @@ kernels moved behind torch custom ops with CPU implementations in 0.46 (0.45's w
 `bitsandbytes.backends`), and 0.46.1 is the oldest transformers 5.24 accepts at all
 (`BITSANDBYTES_MIN_VERSION`). Checked: NF4 and LLM.int8() loading, LoRA forward and backward
 on CPU with 0.46.1 and 0.50.2 (torch 2.13, transformers 5.24)."""
+BNB_CPU_OPTIM_MIN = "0.50.0"
+"""The oldest bitsandbytes whose 8-bit optimizers step CPU tensors: 0.46.1 to 0.49.2 raise
+"All input tensors need to be on the same GPU" at the first step (checked with 0.46.1, 0.48.2,
+0.49.2, 0.50.0 and 0.50.2, torch 2.13). On a CPU the paged optimizer has nothing to page and
+runs as the plain one."""
 
 
 def quantized_field(model: ModelConfig) -> str | None:
@@ -68,15 +73,18 @@ def quantized_weights_problem(field: str, device: str, machine: bool) -> str | N
 
 def bitsandbytes_problem(device: str, machine: bool) -> str | None:
     """Why bitsandbytes' 8-bit optimizers cannot run for a run on `device` (None: they can).
-    `machine`: also look at this machine (the package installed, a CUDA GPU visible); else only
-    at the config."""
-    if device == "cpu":
-        return "device is cpu"
+    `machine`: look at this machine (the package installed, its version where no CUDA GPU
+    is visible or `device` is cpu); without it (a config meant for another machine) None."""
     if not machine:
         return None
-    if importlib.util.find_spec("bitsandbytes") is None:
+    installed = bitsandbytes_version()
+    if installed is None:
         return "bitsandbytes is not installed"
-    return None if _cuda() else "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    if (device == "cpu" or not _cuda()) and Version(installed) < Version(BNB_CPU_OPTIM_MIN):
+        return (f"on a CPU it needs bitsandbytes >= {BNB_CPU_OPTIM_MIN} (older ones step CUDA "
+                f"tensors only) and {installed} is installed; upgrade it (`pip install -U "
+                f"'bitsandbytes>={BNB_CPU_OPTIM_MIN}'`)")
+    return None
 
 
 def _cuda() -> bool:
@@ -114,9 +122,9 @@ def small_gpu_errors(config: RunConfig, machine: bool = True) -> list[str]:
     problem = (bitsandbytes_problem(config.device, machine) if optimizer in BNB_OPTIMIZERS
                else None)
     if problem:
-        errors.append(f"train.optimizer = {optimizer} needs a CUDA GPU and bitsandbytes "
-                      f"(`{GPU_EXTRA}`), but {problem}; on this machine use train.optimizer: "
-                      "adamw, or adafactor (its state is also small)")
+        errors.append(f"train.optimizer = {optimizer} needs bitsandbytes (`{GPU_EXTRA}`), but "
+                      f"{problem}; or on this machine use train.optimizer: adamw, or adafactor "
+                      "(its state is also small)")
     dc = config.distributed
     if dc.cpu_offload and dc.strategy != "fsdp":
         errors.append(f"distributed.cpu_offload moves FSDP2's shards to host memory, but "

@@ -363,8 +363,9 @@ class TrainConfig(Section):
     optimizer: OptimizerName = "adamw"
     """`adamw` (torch's, fused: m and v in the trained weights' dtype, 8 B a float32 parameter);
     `adamw_8bit` (bitsandbytes' block-wise 8-bit m and v, Dettmers et al. 2022: ~2 B a
-    parameter; CUDA, `pip install 'mogrpo[gpu]'`); `paged_adamw_8bit` (the same in CUDA managed
-    memory, which pages to host memory when the GPU runs short instead of failing); `adafactor`
+    parameter; `pip install 'mogrpo[gpu]'`, on a CPU bitsandbytes >= 0.50); `paged_adamw_8bit`
+    (the same in CUDA managed memory, which pages to host memory when the GPU runs short instead
+    of failing; on a CPU the same as adamw_8bit); `adafactor`
     (transformers', Shazeer & Stern 2018: a matrix keeps one value per row and per column, no
     first moment; at train.learning_rate, no relative step). Also the SFT warm-up's."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"

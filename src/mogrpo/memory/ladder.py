@@ -180,7 +180,8 @@ def _eight_bit_optimizer(run: RunConfig, nproc: int) -> Rung:
         strategy_for(run.distributed, nproc) != "fsdp"
     return ("8-bit AdamW states", [{"train.optimizer": "adamw_8bit"}] if ok else [],
             "little in quality (block-wise 8-bit states matched 32-bit Adam in Dettmers et al. "
-            "2022); needs CUDA and bitsandbytes, and not with distributed.strategy: fsdp")
+            "2022); needs bitsandbytes (on a CPU 0.50 or newer), and not with "
+            "distributed.strategy: fsdp")
 
 
 def _pure_bf16(run: RunConfig, nproc: int) -> Rung:

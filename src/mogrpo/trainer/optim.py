@@ -31,8 +31,12 @@ def build_optimizer(
     device and dtype allow), bitsandbytes' 8-bit AdamW (paged or not), or Adafactor at `lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
     if kind in BNB_OPTIMIZERS:
-        bnb = import_bitsandbytes(f"train.optimizer = {kind}")
-        make = bnb.optim.PagedAdamW8bit if kind == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        device = params[0].device.type if params else "cpu"
+        bnb = import_bitsandbytes(f"train.optimizer = {kind}", device)
+        # on a CPU there is no GPU memory to page: the plain 8-bit AdamW, which the paged one
+        # falls back to there anyway (with a warning at every state it makes)
+        paged = kind == "paged_adamw_8bit" and device != "cpu"
+        make = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
         return make(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if kind == "adafactor":
         from transformers.optimization import Adafactor
@@ -58,12 +62,12 @@ def train_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.O
                            train.optimizer)
 
 
-def import_bitsandbytes(what: str) -> Any:
-    """The bitsandbytes module, or the ConfigError validation gives (`what` needs it)."""
-    problem = bitsandbytes_problem("cuda", machine=True)
+def import_bitsandbytes(what: str, device: str) -> Any:
+    """The bitsandbytes module, or the ConfigError validation gives (`what` needs it for
+    tensors on `device`)."""
+    problem = bitsandbytes_problem(device, machine=True)
     if problem is not None:
-        raise ConfigError(f"{what} needs a CUDA GPU and bitsandbytes (`{GPU_EXTRA}`), but "
-                          f"{problem}")
+        raise ConfigError(f"{what} needs bitsandbytes (`{GPU_EXTRA}`), but {problem}")
     import bitsandbytes
 
     return bitsandbytes
