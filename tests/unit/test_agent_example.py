@@ -52,3 +52,39 @@ def test_the_tokenizer_corpus_is_the_rendered_episodes():
     text = example.tokenizer_corpus([called])[0]
     assert text.startswith("<|system|>\nTools: calculator(expression).")
     assert f"<tool_response>{called['answer']}</tool_response>" in text
+
+
+class _Cyclic:
+    """Garbage only the collector frees, whose finalizer runs Python code: the collector may run
+    it in a tool's thread in the middle of a parse, which then yields the GIL."""
+
+    def __del__(self) -> None:
+        sum(range(50))
+
+
+def test_the_calculator_answers_every_call_of_a_batch_run_at_once():
+    """mogrpo runs a turn's calls on threads at once; CPython's ast.parse is not thread-safe
+    (python/cpython#106905), so without the example's lock about one batch in 20 of these had a
+    call fail with "SystemError: AST constructor recursion depth mismatch" (a thread switch
+    every microsecond and a collection every 50 allocations make it happen within seconds)."""
+    import gc
+
+    from mogrpo.rollout.tools import ToolCall, run_tool_calls
+
+    _, tools = _example()
+    calls = [({"calculator": tools.calculator},
+              ToolCall("calculator", {"expression": f"(({i % 9} + 5) * {i % 7 + 2}) - 3 / 4"}))
+             for i in range(64)]
+    want = [tools.calculator(call.arguments["expression"]) for _, call in calls]
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(50)
+    try:
+        for _ in range(200):
+            for _ in range(200):
+                cycle = _Cyclic()
+                cycle.me = cycle
+            assert [r.content for r in run_tool_calls(calls, 5.0)] == want
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
