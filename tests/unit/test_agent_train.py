@@ -116,3 +116,20 @@ def test_bad_tool_specs_fail_before_a_model_loads(tmp_path, tiny_model_dir):
         load_tasks(_config(tmp_path, tiny_model_dir, "hf", tools=[f"{__file__}:calculatr"]))
     with pytest.raises(ConfigError, match=r"tasks.calc.environment: .* not a class"):
         load_tasks(_config(tmp_path, tiny_model_dir, "hf", environment=f"{__file__}:calculator"))
+
+
+@pytest.mark.parametrize("concurrency", ["parallel", "serial"])
+def test_tool_concurrency_reaches_the_episodes(tmp_path, tiny_model_dir, monkeypatch, concurrency):
+    from mogrpo.tasks import agent_rollout
+
+    loops, make = [], agent_rollout.ToolLoop
+    monkeypatch.setattr(agent_rollout, "ToolLoop", lambda *a, **k: (
+        loops.append(loop := make(*a, **k)) or loop))
+    config = _config(tmp_path, tiny_model_dir, "native", tools=[f"{__file__}:calculator"],
+                     tool_timeout_s=3, tool_concurrency=concurrency)
+    _step(config)
+    assert loops and {(loop.timeout_s, loop.parallel) for loop in loops} == {
+        (3, concurrency == "parallel")}
+    with pytest.raises(ConfigError, match="tool_concurrency"):
+        _config(tmp_path, tiny_model_dir, "native", tools=[f"{__file__}:calculator"],
+                tool_concurrency="threads")

@@ -118,6 +118,44 @@ async def slow_async(seconds: float) -> str:
     return "awaited"
 
 
+def test_serial_calls_run_one_at_a_time_each_with_its_own_timeout():
+    """`tool_concurrency: serial`: sync tools one after another (a tool that is not thread-safe
+    never runs beside itself), each within the timeout of its own start; async ones together."""
+    active, most, lock = [0], [0], threading.Lock()
+
+    def exclusive(seconds: float) -> str:
+        """Count the calls running beside this one.
+
+        Args:
+            seconds: How long to run.
+        """
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(seconds)
+        with lock:
+            active[0] -= 1
+        return "alone"
+
+    tools = {"exclusive": exclusive, "slow_async": slow_async}
+    calls = [ToolCall("exclusive", {"seconds": 0.2})] * 4 + [ToolCall("slow_async",
+                                                                      {"seconds": 0.3})] * 4
+    start = time.monotonic()
+    results = run_tool_calls([(tools, c) for c in calls], timeout_s=0.5, parallel=False)
+    # 4 × 0.2 s of sync calls outlast one 0.5 s round, but each had 0.5 s of its own
+    assert [r.content for r in results] == ["alone"] * 4 + ["awaited"] * 4
+    assert most[0] == 1 and 0.8 <= time.monotonic() - start < 1.5
+    most[0] = 0
+    assert [r.content for r in run_tool_calls([(tools, c) for c in calls[:4]], 5)] \
+        == ["alone"] * 4
+    assert most[0] > 1  # parallel, the default: at once
+    late, after = run_tool_calls([({"slow": slow}, ToolCall("slow", {"seconds": 5.0})),
+                                  ({"slow": slow}, ToolCall("slow", {"seconds": 0.05}))],
+                                 timeout_s=0.2, parallel=False)
+    assert late.timed_out and late.content == "error: slow timed out after 0.2 s"
+    assert after.content == "done"  # the next call still ran, with its own 0.2 s
+
+
 def test_async_and_sync_calls_of_a_batch_run_together_each_with_its_timeout():
     tools = {"slow": slow, "slow_async": slow_async}
     calls = [ToolCall("slow_async", {"seconds": 0.3})] * 6 + [ToolCall("slow", {"seconds": 0.3})] * 2

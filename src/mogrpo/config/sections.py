@@ -216,8 +216,14 @@ class TaskConfig(Section):
     """Rounds of tool calls an episode may make; None: until a turn makes no call or the episode
     fills `rollout.max_completion_length` (which counts tool results too)."""
     tool_timeout_s: float = Field(10.0, gt=0)
-    """Longest wait for one round of tool calls; a call still running then gives the model
-    an error message."""
+    """Longest wait for one round of tool calls (`serial`: for each sync call); a call still
+    running then gives the model an error message."""
+    tool_concurrency: Literal["parallel", "serial"] = "parallel"
+    """How a round's calls run: `parallel`, all at once across the batch (async tools on one
+    event loop, each sync call on a thread of its own: sync tools must then be thread-safe);
+    `serial`, the sync calls one after another (as TRL calls them), for tools that share state
+    or use libraries that are not thread-safe (CPython's `ast.parse`, for one: docs/agents.md).
+    Async calls run together either way."""
     tool_call_format: Literal["auto", "hermes", "llama3"] = "auto"
     """How calls are written: `hermes` (Qwen2.5 and others: a JSON {name, arguments} between
     `<tool_call>` tags), `llama3` (Llama 3.1: a JSON {name, parameters}, `<|python_tag|>`

@@ -41,12 +41,14 @@ Tools = dict[str, Callable[..., Any]]
 @dataclass
 class ToolLoop:
     """How an episode runs its tools: each row's tools (name -> function), the call format,
-    the rounds of calls allowed (None: until the budget) and each call's timeout."""
+    the rounds of calls allowed (None: until the budget), each call's timeout, and whether a
+    round's sync calls run at once (`parallel`) or one at a time (`run_tool_calls`)."""
 
     tools: list[Tools]
     format: ToolFormat = "auto"
     max_iterations: int | None = None
     timeout_s: float = 10.0
+    parallel: bool = True
 
 
 @dataclass
@@ -126,7 +128,7 @@ def _run_calls(tokenizer: PreTrainedTokenizerBase, episodes: list[Episode], rows
         if calls:
             parsed[b] = calls
     flat = [(loop.tools[b], call) for b, calls in parsed.items() for call in calls]
-    results = iter(run_tool_calls(flat, loop.timeout_s))
+    results = iter(run_tool_calls(flat, loop.timeout_s, loop.parallel))
     going_on = []
     for b, calls in parsed.items():
         ep, mine = episodes[b], [next(results) for _ in calls]

@@ -1,5 +1,6 @@
 """Tools an agent calls between its turns: their schemas, the calls parsed from a turn's text,
-and the calls run (sync or async, each with a timeout, all of a turn's batch at once).
+and the calls run (sync or async, each with a timeout, all of a turn's batch at once, or the sync
+ones one at a time for tools that are not thread-safe).
 
 A tool is a plain typed Python function with a docstring, as TRL and transformers take them:
 its JSON schema comes from transformers' `get_json_schema` (the name, the first docstring line,
@@ -176,11 +177,15 @@ def _start(fn: Callable[..., Any], arguments: dict[str, Any]) -> Future:
 
 
 def run_tool_calls(calls: Sequence[tuple[dict[str, Callable[..., Any]], ToolCall]],
-                   timeout_s: float) -> list[ToolResult]:
-    """Run every (tools of its row, call) at once, each within `timeout_s` seconds from the
-    start of the batch; the results in the calls' order. An unknown tool, bad arguments, an
-    exception or a timeout gives an `error: ...` text instead of a result."""
-    started: list[Future | ToolResult] = []
+                   timeout_s: float, parallel: bool = True) -> list[ToolResult]:
+    """Run every (tools of its row, call), the results in the calls' order. An unknown tool,
+    bad arguments, an exception or a timeout gives an `error: ...` text instead of a result.
+
+    `parallel`: every call at once, each within `timeout_s` seconds from the start of the batch.
+    Else the sync calls one after another, in order, each within `timeout_s` seconds of its own
+    start (for tools that are not thread-safe: TRL calls sync tools one at a time); async
+    calls still run together on the event loop, within `timeout_s` from the start."""
+    started: list[Future | ToolResult | None] = []
     for tools, call in calls:
         if call.error is not None:
             started.append(ToolResult(call.name or "unknown", f"error: {call.error}", error=True))
@@ -188,22 +193,32 @@ def run_tool_calls(calls: Sequence[tuple[dict[str, Callable[..., Any]], ToolCall
             known = ", ".join(sorted(tools)) or "none"
             started.append(ToolResult(call.name, f"error: there is no tool {call.name!r} "
                                                  f"(tools: {known})", error=True))
-        else:
+        elif parallel or inspect.iscoroutinefunction(tools[call.name]):
             started.append(_start(tools[call.name], call.arguments))
+        else:
+            started.append(None)  # a sync call of a serial batch: started in its turn
     deadline = time.monotonic() + timeout_s
     results = []
-    for (_, call), item in zip(calls, started, strict=True):
+    for (tools, call), item in zip(calls, started, strict=True):
         if isinstance(item, ToolResult):
             results.append(item)
-            continue
-        try:
-            value = item.result(timeout=max(deadline - time.monotonic(), 0.0))
-            results.append(ToolResult(call.name, _content(value)))
-        except TimeoutError:
-            item.cancel()
-            results.append(ToolResult(call.name, f"error: {call.name} timed out after "
-                                                 f"{timeout_s:g} s", error=True, timed_out=True))
-        except Exception as err:  # noqa: BLE001 - the model reads what went wrong
-            results.append(ToolResult(call.name, f"error: {call.name} raised "
-                                                 f"{type(err).__name__}: {err}", error=True))
+        elif item is None:
+            results.append(_result(call, _start(tools[call.name], call.arguments), timeout_s,
+                                   timeout_s))
+        else:
+            results.append(_result(call, item, max(deadline - time.monotonic(), 0.0), timeout_s))
     return results
+
+
+def _result(call: ToolCall, future: Future, wait: float, timeout_s: float) -> ToolResult:
+    """What a started call gave within `wait` seconds (`timeout_s`: the limit its message
+    names)."""
+    try:
+        return ToolResult(call.name, _content(future.result(timeout=wait)))
+    except TimeoutError:
+        future.cancel()
+        return ToolResult(call.name, f"error: {call.name} timed out after {timeout_s:g} s",
+                          error=True, timed_out=True)
+    except Exception as err:  # noqa: BLE001 - the model reads what went wrong
+        return ToolResult(call.name, f"error: {call.name} raised {type(err).__name__}: {err}",
+                          error=True)

@@ -46,7 +46,7 @@ def agent_rollout(ctx: TrainContext, task: Task, examples: list[Example], *,
             tools=agent.schemas(type(env) if env is not None else None))
         texts.append(text)
     loop = ToolLoop(started.tools, tc.tool_call_format, tc.max_tool_calling_iterations,
-                    tc.tool_timeout_s)
+                    tc.tool_timeout_s, parallel=tc.tool_concurrency == "parallel")
     rollout = generate_episodes(
         ctx.policy, ctx.tokenizer, texts, sampling or ctx.sampling, loop,
         num_generations=num_generations,
