@@ -50,6 +50,7 @@ CASES = {  # name: model config, LoRA, gradient checkpointing, model.precision
     "qwen2.5-0.5b/full": ("qwen2.5-0.5b", False, False, "fp32"),
     "qwen2.5-0.5b/full+ckpt": ("qwen2.5-0.5b", False, True, "fp32"),
     "qwen2.5-0.5b/full-bf16-mixed": ("qwen2.5-0.5b", False, False, "bf16-mixed"),
+    "qwen2.5-0.5b/full-adamw8bit": ("qwen2.5-0.5b", False, False, "fp32"),
     "qwen2.5-0.5b/lora": ("qwen2.5-0.5b", True, False, "fp32"),
     "qwen2.5-0.5b/lora+ckpt": ("qwen2.5-0.5b", True, True, "fp32"),
     "llama-3.2-1b/lora": ("llama-3.2-1b", True, False, "fp32"),
@@ -65,6 +66,7 @@ BASES = {  # a configuration's kind (after the "/"): the model settings of its q
     "qlora": {"load_in_4bit": True},
     "qlora+emb4": {"load_in_4bit": True, "embeddings_in_4bit": True},
 }
+OPTIMIZERS = {"full-adamw8bit": "adamw_8bit"}  # a kind's train.optimizer (else adamw)
 
 
 def random_reward(prompts: list, completions: list, **columns: object) -> list[float]:
@@ -86,7 +88,8 @@ def run_config(case: str, model_dir: str, data: str, out: str) -> dict:
         "rollout": {"num_generations": K, "max_prompt_length": PROMPT,
                     "max_completion_length": COMPLETION, "max_seq_length": PROMPT + COMPLETION},
         "train": {"max_steps": 2, "micro_batch_size": PROMPTS * K, "warmup_steps": 0,
-                  "gradient_accumulation_steps": 1},
+                  "gradient_accumulation_steps": 1,
+                  "optimizer": OPTIMIZERS.get(case.split("/")[1], "adamw")},
         "sft": {"enabled": False},
         "eval": {"at_start": False, "every_steps": 0},
         "output": {"dir": out, "save_every": 0, "save_merged": False, "overwrite": True},
@@ -225,7 +228,8 @@ def report(results: dict[str, dict], command: str) -> str:
         f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
         f"{torch.__version__}. `{command}` (each configuration in its own process, one at a "
         f"time). {PROMPTS} prompts × {K} completions, {PROMPT} + {COMPLETION} tokens, 2 GRPO "
-        "steps, β 0.04 (a reference), AdamW; LoRA r 16 on all linear layers.",
+        "steps, β 0.04 (a reference), AdamW (`full-adamw8bit`: bitsandbytes' 8-bit AdamW); LoRA "
+        "r 16 on all linear layers.",
         "",
         "| configuration | parameters | plan | measured | how measured | plan / measured | "
         "RSS peak | fixed overhead | RSS − overhead | bytes / parameter (measured) | "
@@ -302,7 +306,17 @@ a speed figure.
 Bytes per parameter: full fine-tuning in fp32 holds 20 B a parameter whatever the batch
 (weights 4, AdamW's m and v 8, the reference copy 4, gradients 4: the planner's terms); the
 measured 21.3 adds this small batch's activations and the chunked log-prob head (1.3 and
-0.6 GiB planned). Under bf16-mixed the reference is bf16 (2 B): 18 B a parameter.
+0.6 GiB planned). Under bf16-mixed the reference is bf16 (2 B): 18 B a parameter, and the
+measured 19.3 (`qwen2.5-0.5b/full-bf16-mixed`: fp32 master weights, AdamW states and gradients,
+bf16 autocast; at ac56d05, one thread, beside other work for its first half: this CPU has no
+native bf16, so its 1,760 s are no speed figure) adds the same batch's activations, in bf16.
+With bitsandbytes' 8-bit AdamW (`full-adamw8bit`, bitsandbytes 0.50.2, whose optimizers step
+CPU tensors from 0.50.0; at c61571b4, one thread, beside other work) m and v take 2 B a
+parameter and an fp32 absmax per 256 values instead of 8 B (0.94 GiB here, to the planner's
+byte), but on a CPU its step dequantises one tensor's m and v to fp32 and computes in fp32
+copies: 5 fp32 copies of the largest tensor, the tied 151,936 × 896 embedding (2.54 GiB),
+above the states. So the peak falls only from 9.80 to 9.11 GiB on this shape; the planner
+counts the copies on a CPU (none on CUDA, where bitsandbytes steps in place).
 
 "frozen base, B / parameter": the planner's weights term over the parameters, and the frozen
 weights as stored once loaded (`mogrpo.modeling.quantize.frozen_weight_bytes`: every frozen

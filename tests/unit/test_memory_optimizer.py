@@ -96,3 +96,21 @@ def test_the_ladder_offers_8bit_adamw_to_full_fine_tuning_before_pure_bf16():
             assert names.index("8-bit AdamW states") < names.index(costly)
     eight = next(s for s in steps if s.changes == {"train.optimizer": "adamw_8bit"})
     assert "--set train.optimizer=adamw_8bit" in " ".join(eight.arguments)
+
+
+def test_bitsandbytes_steps_in_place_on_cuda_and_with_fp32_copies_on_a_cpu():
+    """Its CPU step dequantises m and v of one tensor at a time and computes in fp32: m, v, the
+    gradient, sqrt(v) and the quotient (and a 16-bit weight's fp32 copy): measured 5.0 copies
+    of the largest tensor on the Qwen2.5-0.5B shape (benchmarks/memory_vs_plan.py)."""
+    from mogrpo.memory.optimizer import step_bytes
+
+    trained = Trained(((151_936, 896), (896, 4864)), vectors=896)
+    for kind in ("adamw_8bit", "paged_adamw_8bit"):
+        assert step_bytes(kind, trained, 4) == step_bytes(kind, trained, 4, "cuda") == 0
+        assert step_bytes(kind, trained, 4, "cpu") == 5 * 4 * 151_936 * 896
+        assert step_bytes(kind, trained, 2, "cpu") == 6 * 4 * 151_936 * 896
+    assert step_bytes("adamw", trained, 4, "cpu") == 0  # torch's fused AdamW: in place
+    cpu = estimate(QWEN_1_5B, qwen_full_run(model={"name_or_path": "qwen", "precision": "fp32"},
+                                            train={"optimizer": "adamw_8bit"}), device="cpu")
+    assert cpu["optimizer_step"] == 5 * 4 * 151_936 * 1536
+    assert "bitsandbytes' CPU step" in cpu.table()

@@ -395,10 +395,12 @@ def _resident_terms(shape: Architecture, run: RunConfig, precision: str, device:
          "always", "fixed" if device == "cuda" else "none on CPU")
     # what the step allocates on top of the states (an own phase: no activations)
     _add(terms, "optimizer_step", "optimizer step temporaries",
-         step_bytes(kind, trained, t_bytes) * on_gpu, "optimizer step", {
+         step_bytes(kind, trained, t_bytes, device) * on_gpu, "optimizer step", {
              "adamw": "none: fused AdamW steps in place",
              "adafactor": "fp32 grad² and its estimate, of the largest matrix"}.get(
-                 kind, "none: bitsandbytes steps in place") + per)
+                 kind, "none: bitsandbytes steps in place" if device != "cpu" else
+                 "bitsandbytes' CPU step: fp32 m, v, gradient, sqrt(v) and quotient of the "
+                 "largest tensor") + per)
     return terms
 
 

@@ -3,13 +3,16 @@
 | optimizer | state per tensor of n values | step temporaries |
 |---|---|---|
 | `adamw` | m and v in the weights' (master) dtype: 2·n·b | none: the trainer's fused AdamW (`fused=True`, CPU and CUDA) updates each tensor in place |
-| `adamw_8bit`, `paged_adamw_8bit` | uint8 m and v + an fp32 absmax per 256-value block each: 2·n + 8·⌈n/256⌉; tensors under 4,096 values keep fp32 m and v (8·n) | none: one in-place kernel per tensor |
+| `adamw_8bit`, `paged_adamw_8bit` | uint8 m and v + an fp32 absmax per 256-value block each: 2·n + 8·⌈n/256⌉; tensors under 4,096 values keep fp32 m and v (8·n) | CUDA: none, one in-place kernel per tensor. CPU (bitsandbytes >= 0.50): per tensor, one at a time, m and v dequantised to fp32, an fp32 copy of the gradient, sqrt(v) and its quotient: 5 × 4·n; with a 16-bit weight an fp32 copy of it too (6 × 4·n) |
 | `adafactor` | a rows × cols matrix: fp32 row and column means, 4·(rows + cols); a vector: 4·n | per tensor, one at a time: grad² and its factored estimate in fp32 (2 × 4·n), plus fp32 copies of a 16-bit gradient and weight (2 × 4·n more) |
 
 bitsandbytes: `Optimizer2State.init_state` (block size 256, `min_8bit_size` 4,096); paged states
 live in CUDA managed memory and page out to the host only when the GPU runs short, so they are
 counted as resident. Adafactor: transformers' `Adafactor.step` with no first moment (beta1
 None), which states are float32 whatever the weights' dtype (it upcasts the gradient first).
+bitsandbytes' CPU step (`_optimizer_update_8bit_blockwise_cpu` in its `backends/cpu/ops.py`,
+0.50.2): on the Qwen2.5-0.5B shape in fp32, 2.54 GiB above the states at the second step, 5.0
+fp32 copies of its largest tensor (the tied 151,936 × 896 embedding).
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ def _bnb(n: int) -> int:
     return 8 * n if n < BNB_MIN_8BIT else 2 * n + 8 * math.ceil(n / BNB_BLOCK)
 
 
-def step_bytes(kind: str, trained: Trained, master: int) -> int:
-    """What one optimizer step allocates on top of the states (see the module docstring)."""
+def step_bytes(kind: str, trained: Trained, master: int, device: str = "cuda") -> int:
+    """What one optimizer step on `device` allocates on top of the states (see the module
+    docstring)."""
     if kind == "adafactor":
         return 4 * trained.largest * (2 if master == 4 else 4)
+    if kind in ("adamw_8bit", "paged_adamw_8bit") and device == "cpu":
+        return 4 * trained.largest * (5 if master == 4 else 6)
     return 0
 
 
