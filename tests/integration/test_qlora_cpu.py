@@ -25,11 +25,13 @@ if Version(bitsandbytes_version() or "0") < Version(BNB_CPU_MIN):
 USER_REWARDS = Path(__file__).with_name("user_rewards.py")
 
 
-@pytest.mark.parametrize("embeddings", [False, True], ids=["4bit", "4bit+embeddings"])
-def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys, embeddings):
+def _two_steps(tmp_path: Path, model: Path, model_settings: dict, lora: dict | None = None,
+               **train) -> Path:
+    """A config of 2 GRPO steps of the demo's tasks (small) on `model`, written; its path."""
     config = demo_base()
-    config["model"].update(name_or_path=str(tiny_model), load_in_4bit=True,
-                           embeddings_in_4bit=embeddings)
+    config["model"].update(name_or_path=str(model), **model_settings)
+    if lora is not None:
+        config["lora"] = lora
     config["output"]["dir"] = str(tmp_path / "run")
     for task in config["tasks"].values():
         task["data"] += "?size=40"
@@ -37,15 +39,22 @@ def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys
     # varies within every group from the first step: a gradient at every step
     config["tasks"]["fairness"]["rewards"].append(
         {"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"})
-    config["lora"] = {"enabled": True, "r": 4, "alpha": 8}
     config["train"].update(max_steps=2, micro_batch_size=8, gradient_accumulation_steps=1,
-                           learning_rate=1e-2, warmup_steps=0)
+                           warmup_steps=0, **train)
     config["rollout"].update(num_generations=4)
     config["sft"] = {"enabled": False}
     config["eval"].update(max_samples=4)
     config["logging"] = {"progress_bar": False}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("embeddings", [False, True], ids=["4bit", "4bit+embeddings"])
+def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys, embeddings):
+    path = _two_steps(tmp_path, tiny_model, {"load_in_4bit": True,
+                                             "embeddings_in_4bit": embeddings},
+                      lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=1e-2)
 
     assert main(["train", str(path)]) == 0
     with_embeddings = " with its embedding and head" if embeddings else ""
@@ -65,23 +74,8 @@ def test_grpo_trains_lora_on_a_4bit_base_on_the_cpu(tmp_path, tiny_model, capsys
                     reason=f"bitsandbytes {bitsandbytes_version()} has no CPU 8-bit optimizers")
 def test_grpo_full_fine_tuning_with_8bit_adamw_on_the_cpu(tmp_path, tiny_model):
     """paged_adamw_8bit: on a CPU the plain 8-bit AdamW (nothing to page)."""
-    config = demo_base()
-    config["model"]["name_or_path"] = str(tiny_model)
-    config["output"]["dir"] = str(tmp_path / "run")
-    for task in config["tasks"].values():
-        task["data"] += "?size=40"
-        task["eval_size"] = 8
-    config["tasks"]["fairness"]["rewards"].append(
-        {"fn": f"{USER_REWARDS}:distinct_chars", "name": "distinct"})
-    config["train"].update(max_steps=2, micro_batch_size=8, gradient_accumulation_steps=1,
-                           learning_rate=1e-3, warmup_steps=0, optimizer="paged_adamw_8bit")
-    config["rollout"].update(num_generations=4)
-    config["sft"] = {"enabled": False}
-    config["eval"].update(max_samples=4)
-    config["logging"] = {"progress_bar": False}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-
+    path = _two_steps(tmp_path, tiny_model, {}, learning_rate=1e-3,
+                      optimizer="paged_adamw_8bit")
     assert main(["train", str(path)]) == 0
     run = tmp_path / "run"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

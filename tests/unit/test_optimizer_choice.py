@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -116,24 +117,25 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: li
     return losses
 
 
-def test_adafactor_trains_a_tiny_lm_and_resumes_to_the_same_bits(tiny_model_dir, tmp_path: Path):
+def _trains_and_resumes(model_dir: Path, checkpoints: Path, kind: str,
+                        check: Callable[[torch.nn.Module, torch.optim.Optimizer], None]) -> None:
+    """`kind` trains a tiny LM (4 steps over 2 batches twice: the loss falls), `check` looks at
+    its model and state, and 2 more steps from a checkpoint of it equal 2 more steps of it to
+    the bit."""
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, 100, (4, 12), generator=generator) for _ in range(2)] * 3
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        return model, build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), "adafactor")
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        return model, build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), kind)
 
     model, optimizer = fresh()
     losses = _steps(model, optimizer, batches[:4])
     assert losses[3] < losses[1] < losses[0]  # the same two batches again: learned
-    path = save_checkpoint(tmp_path, 4, model=model, optimizer=optimizer, state={},
+    check(model, optimizer)
+    path = save_checkpoint(checkpoints, 4, model=model, optimizer=optimizer, state={},
                            config_yaml="")
-    state = optimizer.state_dict()["state"]
-    matrix = next(s for s in state.values() if "exp_avg_sq_row" in s)
-    assert {"step", "exp_avg_sq_row", "exp_avg_sq_col", "RMS"} == set(matrix)  # factored
     whole = _steps(model, optimizer, batches[4:])
-
     resumed, optimizer = fresh()
     loaded = load_checkpoint(path)
     load_weights(resumed, loaded.weights)
@@ -141,6 +143,15 @@ def test_adafactor_trains_a_tiny_lm_and_resumes_to_the_same_bits(tiny_model_dir,
     assert _steps(resumed, optimizer, batches[4:]) == whole
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_adafactor_trains_a_tiny_lm_and_resumes_to_the_same_bits(tiny_model_dir, tmp_path: Path):
+    def factored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        state = optimizer.state_dict()["state"]
+        matrix = next(s for s in state.values() if "exp_avg_sq_row" in s)
+        assert {"step", "exp_avg_sq_row", "exp_avg_sq_col", "RMS"} == set(matrix)
+
+    _trains_and_resumes(tiny_model_dir, tmp_path, "adafactor", factored)
 
 
 @pytest.mark.parametrize("saved_kind", ["adafactor", "adamw"])
@@ -196,35 +207,17 @@ def test_8bit_adamw_trains_a_tiny_lm_on_a_cpu_as_planned_and_resumes_to_the_same
         tiny_model_dir, tmp_path: Path):
     from mogrpo.memory.optimizer import Trained, state_bytes
 
-    generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(3, 100, (4, 12), generator=generator) for _ in range(2)] * 3
+    def as_planned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # uint8 m and v for every tensor of 4,096 values or more; the planner's figure to the
+        # byte (the 256-value quantisation maps are one tensor shared by every state)
+        params = [p for p in model.parameters() if p.requires_grad]
+        states = [optimizer.state[p] for p in params]
+        for p, state in zip(params, states, strict=True):
+            assert state["state1"].dtype == (torch.uint8 if p.numel() >= 4096 else torch.float32)
+        held = sum(t.numel() * t.element_size() for s in states for key, t in s.items()
+                   if key in ("state1", "state2", "absmax1", "absmax2"))
+        trained = Trained(tuple((p.numel(), 1) for p in params if p.dim() > 1),
+                          sum(p.numel() for p in params if p.dim() == 1))
+        assert held == state_bytes("adamw_8bit", trained, 4)
 
-    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        return model, build_optimizer(model, 1e-2, 0.0, (0.9, 0.999), "adamw_8bit")
-
-    model, optimizer = fresh()
-    losses = _steps(model, optimizer, batches[:4])
-    assert losses[3] < losses[1] < losses[0]  # the same two batches again: learned
-    # uint8 m and v for every tensor of 4,096 values or more; the planner's figure to the byte
-    # (the 256-value quantisation maps are one tensor shared by every state)
-    params = [p for p in model.parameters() if p.requires_grad]
-    states = [optimizer.state[p] for p in params]
-    for p, state in zip(params, states, strict=True):
-        assert state["state1"].dtype == (torch.uint8 if p.numel() >= 4096 else torch.float32)
-    held = sum(t.numel() * t.element_size() for s in states for key, t in s.items()
-               if key in ("state1", "state2", "absmax1", "absmax2"))
-    trained = Trained(tuple((p.numel(), 1) for p in params if p.dim() > 1),
-                      sum(p.numel() for p in params if p.dim() == 1))
-    assert held == state_bytes("adamw_8bit", trained, 4)
-
-    path = save_checkpoint(tmp_path, 4, model=model, optimizer=optimizer, state={},
-                           config_yaml="")
-    whole = _steps(model, optimizer, batches[4:])
-    resumed, optimizer = fresh()
-    loaded = load_checkpoint(path)
-    load_weights(resumed, loaded.weights)
-    optimizer.load_state_dict(loaded.optimizer)
-    assert _steps(resumed, optimizer, batches[4:]) == whole
-    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(a, b)
+    _trains_and_resumes(tiny_model_dir, tmp_path, "adamw_8bit", as_planned)
