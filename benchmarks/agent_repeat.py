@@ -37,10 +37,11 @@ def main() -> None:
     from mogrpo.trainer.run import build_context, seed_everything
 
     errors: Counter = Counter()
-    run = episodes.run_tool_calls
+    run, made = episodes.run_tool_calls, [0]
 
     def counted(calls, timeout_s, parallel=True):
         results = run(calls, timeout_s, parallel)
+        made[0] += len(calls)
         errors.update(r.content.split(":")[1].split()[-1] if " raised " in r.content
                       else "timeout" if r.timed_out else "bad call (not JSON, unknown tool)"
                       for r in results if r.error)
@@ -62,7 +63,8 @@ def main() -> None:
                            record_logprobs=True)
         rollouts[hashlib.sha1(ro.completion_ids.cpu().numpy().tobytes()
                               + ro.sampler_logp.cpu().numpy().tobytes()).hexdigest()[:12]] += 1
-    result = {"repeats": args.repeats, "distinct_rollouts": len(rollouts),
+    result = {"repeats": args.repeats, "tool_calls": made[0],
+              "distinct_rollouts": len(rollouts),
               "rollouts": dict(rollouts), "tool_errors_by_exception": dict(errors)}
     print(json.dumps(result, indent=1))
     if args.out:

@@ -27,8 +27,8 @@ def _value(node: ast.AST) -> float:
 # thread-safe. CPython's ast.parse is not (python/cpython#106905: the AST constructor's recursion
 # counter is shared by every thread, so a parse that yields the GIL mid-way, to a finalizer the
 # garbage collector runs, say, can fail with "SystemError: AST constructor recursion depth
-# mismatch"). Under load that failed ~1 call in 6,000 in this example's runs and made two runs
-# of one seed part; one parse at a time (a few microseconds each) costs nothing here.
+# mismatch"). Under load that failed ~1 call in 1,500 in this example's rollouts and made two
+# runs of one seed part; one parse at a time (a few microseconds each) costs nothing here.
 _PARSE = threading.Lock()
 
 
