@@ -317,7 +317,7 @@ byte), but on a CPU its step dequantises one tensor's m and v to fp32 and comput
 copies: 5 fp32 copies of the largest tensor, the tied 151,936 × 896 embedding (2.54 GiB),
 above the states. So the peak falls only from 9.80 to 9.11 GiB on this shape; the planner
 counts the copies on a CPU (none on CUDA, where bitsandbytes steps in place).
-`qwen2.5-1.5b/lora` (a 16-bit base loaded in fp32, as the CPU trains) ran at c61571b4+ with 2
+`qwen2.5-1.5b/lora` (a 16-bit base loaded in fp32, as the CPU trains) ran at 2b13028 with 2
 threads beside other work.
 
 "frozen base, B / parameter": the planner's weights term over the parameters, and the frozen
