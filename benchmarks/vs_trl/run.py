@@ -8,8 +8,10 @@ rewards and settings.
     python benchmarks/vs_trl/run.py --arch qwen3 --sizes small medium --out \
         benchmarks/results/vs_trl_qwen3    # the same shapes as Qwen3 models (per-head q/k norms)
 
-`--device cuda` runs both tools on the first CUDA GPU (still fp32, still without vLLM: both
-generate with their own engines, TRL with `generate()`).
+`--device cuda` runs both tools on the first CUDA GPU (still without vLLM: both generate with
+their own engines, TRL with `generate()`). `--precision bf16-mixed` trains both in float32
+weights under bfloat16 autocast (TRL `bf16=True`, mogrpo `model.precision: bf16-mixed`), as
+users train on GPUs; the default is fp32 for both.
 
 Every (tool, size, mode, repeat) is its own process, TRL and mogrpo one after the other
 (the first of each pair alternates between repeats). Writes OUT.json (every step of every run)
@@ -49,6 +51,7 @@ class Bench:
     engine: str | None
     device: str = "cpu"
     arch: str = "qwen2"  # the models' family (workload.build_models)
+    precision: str = "fp32"  # or bf16-mixed, for both tools
     settings: workload.Settings = field(default_factory=workload.Settings)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     pool: Path = Path()
@@ -88,7 +91,7 @@ def run_trl(bench: Bench, size: str, mode: str, run_dir: Path) -> dict[str, Any]
     result = run_dir / "trl.json"
     cmd = [sys.executable, str(HERE / "trl_worker.py"), "--model", bench.models[size]["path"],
            "--prompts", str(bench.order), "--steps", str(bench.steps), "--mode", mode,
-           "--out", str(result), "--device", bench.device]
+           "--out", str(result), "--device", bench.device, "--precision", bench.precision]
     wall, rss = run_child(cmd, bench.env(run_dir / "rewards.jsonl"), run_dir / "log.txt")
     record = json.loads(result.read_text(encoding="utf-8"))
     return {**record, "wall_s": wall, "peak_rss_mib": rss}
@@ -100,7 +103,7 @@ def run_mogrpo(bench: Bench, size: str, mode: str, run_dir: Path) -> dict[str, A
     out_dir = run_dir / "run"
     config = workload.mogrpo_config(bench.models[size]["path"], bench.pool, out_dir,
                                     bench.steps, mode == "lora", bench.settings, bench.engine,
-                                    bench.device)
+                                    bench.device, bench.precision)
     path = workload.write_mogrpo_config(run_dir / "config.yaml", config)
     cpu = run_dir / "cpu.json"
     cmd = [sys.executable, str(HERE / "mogrpo_worker.py"), str(path), str(cpu)]
@@ -176,6 +179,7 @@ def metadata(bench: Bench, argv: list[str]) -> dict[str, Any]:
         "command": "python benchmarks/vs_trl/run.py " + " ".join(argv),
         "machine": machine,
         "device": bench.device,
+        "precision": bench.precision,
         "arch": bench.arch,
         "threads": bench.threads,
         "load_average_start": os.getloadavg(),
@@ -218,7 +222,8 @@ def to_markdown(results: dict[str, Any]) -> str:
         f"{s['prompts_per_step']} prompts × "
         f"{s['num_generations']} completions per step, ≤ {s['max_completion_length']} new "
         f"tokens, temperature {s['temperature']}, β {s['beta']} (k3), lr {s['learning_rate']} "
-        f"constant, token-mean (DAPO) loss, fp32 on {device}, μ = 1; LoRA r {s['lora_r']} "
+        f"constant, token-mean (DAPO) loss, {meta.get('precision', 'fp32')} on {device}, "
+        f"μ = 1; LoRA r {s['lora_r']} "
         f"(alpha {s['lora_alpha']}, all linear layers). The first {meta['warmup_steps']} steps "
         f"of each run are not timed; step time is the median step, generation share and "
         f"tokens/s are over the timed steps, final reward is the mean combined reward of the "
@@ -250,6 +255,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "threads of busy neighbours stall each other's parallel regions)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both tools train (cuda: the first GPU)")
+    parser.add_argument("--precision", choices=list(workload.PRECISION_DTYPES), default="fp32",
+                        help="both tools' precision: fp32, or bf16-mixed (float32 weights, "
+                        "bfloat16 autocast)")
     parser.add_argument("--arch", choices=["qwen2", "qwen3", "gemma", "llama"], default="qwen2",
                         help="the models' family (the same sizes; default qwen2)")
     parser.add_argument("--mogrpo-engine", default=None,
@@ -283,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     bench = Bench(args.work.resolve(), args.steps, args.warmup, args.threads, args.mogrpo_engine,
-                  args.device, arch=args.arch)
+                  args.device, arch=args.arch, precision=args.precision)
     prepare(bench, args.sizes)
     results: dict[str, Any] = {"meta": metadata(bench, argv), "entries": []}
     kept = merged_entries(args.out, args.sizes, args.modes) if args.merge else []

@@ -1,19 +1,22 @@
 """One TRL GRPOTrainer run of the benchmark, in its own process (started by run.py).
 
     python benchmarks/vs_trl/trl_worker.py --model DIR --prompts ORDER.jsonl --steps N \
-        --mode full|lora --out RESULT.json [--device cpu|cuda] [--phases]
+        --mode full|lora --out RESULT.json [--device cpu|cuda] [--precision fp32|bf16-mixed]
+        [--phases] [--ops] [--torch-profile FILE [--warmup N]]
 
 Writes per-step wall and CPU times (on_step_begin → on_step_end), generation times (TRL's `_generate`:
 tokenize, `model.generate`, decode — what mogrpo's `time/rollout_s` covers) and completion
 token counts. Rewards come from the shared reward log (see arith_rewards.py). `--phases` also
 writes each step's wall time per phase (generation, rewards, the reference pass, the
 policy's forward and loss, backward, clipping, the optimizer), to set beside
-`benchmarks/profile_step.py`'s figures for mogrpo.
+`benchmarks/profile_step.py`'s figures for mogrpo; `--ops` the ATen operations each step
+dispatches outside `_generate` (`op_count.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import tempfile
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import arith_rewards
+from op_count import OpCounter
+from torch_profile import StepProfiler
 from workload import Settings
 
 
@@ -34,6 +39,10 @@ class StepTimer:
         self.generation_s: list[float] = []
         self.completion_tokens: list[int] = []
         self.phases: list[dict[str, float]] = []  # per step, with --phases
+        self.counter: OpCounter | None = None  # with --ops
+        self.profiler: StepProfiler | None = None  # with --torch-profile, after `warmup` steps
+        self.warmup = 0
+        self.ops: list[dict[str, Any]] = []
         self._spent: dict[str, float] = {}
         self._start = self._cpu_start = 0.0
 
@@ -50,7 +59,9 @@ class StepTimer:
 
         def timed(prompts: list[Any]) -> Any:
             start = time.perf_counter()
-            out = original(prompts)
+            with (self.counter.pause() if self.counter else contextlib.nullcontext()), \
+                    (self.profiler.paused() if self.profiler else contextlib.nullcontext()):
+                out = original(prompts)
             self.generation_s.append(time.perf_counter() - start)
             self._spent["generation"] = self.generation_s[-1]
             self.completion_tokens.append(sum(len(ids) for ids in out[1]))  # completion_ids
@@ -93,6 +104,10 @@ class StepTimer:
         class _Callback(TrainerCallback):
             def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 timer._spent = {}
+                if timer.counter is not None:
+                    timer.counter.__enter__()
+                if timer.profiler is not None and len(timer.step_s) >= timer.warmup:
+                    timer.profiler.begin()
                 timer._start, timer._cpu_start = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -100,13 +115,20 @@ class StepTimer:
                 timer.step_s.append(time.perf_counter() - timer._start)
                 timer.cpu_s.append(time.process_time() - timer._cpu_start)
                 timer.phases.append(dict(timer._spent))
+                if timer.profiler is not None:
+                    timer.profiler.end()
+                if timer.counter is not None:
+                    timer.counter.__exit__(None, None, None)
+                    timer.ops.append(timer.counter.take())
 
         return _Callback()
 
 
-def grpo_config(settings: Settings, steps: int, output_dir: str, device: str = "cpu") -> Any:
-    """TRL's config matching mogrpo's run: fp32 on `device`, token-mean (DAPO) loss, k3 KL
-    without the importance weight (mogrpo's default), no eval, no saving, no trackers."""
+def grpo_config(settings: Settings, steps: int, output_dir: str, device: str = "cpu",
+                precision: str = "fp32") -> Any:
+    """TRL's config matching mogrpo's run: float32 weights on `device` (under bf16 autocast
+    with `precision` bf16-mixed), token-mean (DAPO) loss, k3 KL without the importance weight
+    (mogrpo's default), no eval, no saving, no trackers."""
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -132,7 +154,7 @@ def grpo_config(settings: Settings, steps: int, output_dir: str, device: str = "
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        bf16=False,
+        bf16=precision == "bf16-mixed",
         fp16=False,
         use_cpu=device == "cpu",
         gradient_checkpointing=False,
@@ -157,7 +179,14 @@ def main() -> None:
     parser.add_argument("--mode", choices=["full", "lora"], required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32")
     parser.add_argument("--phases", action="store_true", help="time each phase of a step")
+    parser.add_argument("--torch-profile", type=Path, default=None,
+                        help="write torch.profiler's summary of the steps after --warmup "
+                        "(generation left out)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--ops", action="store_true",
+                        help="count each step's operations outside the generation")
     args = parser.parse_args()
 
     import torch
@@ -177,7 +206,7 @@ def main() -> None:
     ) if args.mode == "lora" else None
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as tmp:
-        config = grpo_config(settings, args.steps, tmp, args.device)
+        config = grpo_config(settings, args.steps, tmp, args.device, args.precision)
         config.model_init_kwargs = {"dtype": torch.float32}
         trainer = GRPOTrainer(
             model=args.model,
@@ -190,13 +219,21 @@ def main() -> None:
         timer.wrap_generate(trainer)
         if args.phases:
             timer.wrap_phases(trainer)
+        if args.ops:
+            timer.counter = OpCounter()
+        if args.torch_profile:
+            timer.profiler = StepProfiler(args.torch_profile, args.device == "cuda")
+            timer.warmup = args.warmup
         trainer.train()
+        if timer.profiler is not None:
+            timer.profiler.write(f"TRL {args.mode} {args.precision} on {args.device}")
     args.out.write_text(json.dumps({
         "step_s": timer.step_s,
         "cpu_s": timer.cpu_s,
         "generation_s": timer.generation_s,
         "completion_tokens": timer.completion_tokens,
         **({"phases": timer.phases} if args.phases else {}),
+        **({"ops": timer.ops} if args.ops else {}),
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }), encoding="utf-8")
 

@@ -67,6 +67,9 @@ SIZES = {
 }
 CPU_SIZES = ["small", "medium", "large"]
 VOCAB_SIZE = 512
+PRECISION_DTYPES = {"fp32": "float32", "bf16-mixed": "bfloat16"}
+"""The precisions both tools are compared in, and their compute dtypes: TRL keeps float32
+weights either way and autocasts to bfloat16 with `bf16=True`, as mogrpo's bf16-mixed does."""
 POOL_SIZE = 512
 
 
@@ -168,12 +171,17 @@ def mogrpo_order(rows: list[dict[str, Any]], steps: int, settings: Settings) -> 
 
 def mogrpo_config(model: str, data: Path, out_dir: Path, steps: int, lora: bool,
                   settings: Settings, engine: str | None = None,
-                  device: str = "cpu") -> dict[str, Any]:
-    """mogrpo's config for one run: the shared settings, no eval, no SFT, no checkpoints."""
+                  device: str = "cpu", precision: str = "fp32") -> dict[str, Any]:
+    """mogrpo's config for one run: the shared settings, no eval, no SFT, no checkpoints;
+    `precision` fp32 (float32 throughout) or bf16-mixed (float32 weights, bf16 autocast)."""
+    model_section: dict[str, Any] = {"name_or_path": model, "dtype": "float32",
+                                     "use_chat_template": False}
+    if precision != "fp32":
+        model_section.update(precision=precision, dtype=PRECISION_DTYPES[precision])
     config: dict[str, Any] = {
         "seed": settings.seed,
         "device": device,
-        "model": {"name_or_path": model, "dtype": "float32", "use_chat_template": False},
+        "model": model_section,
         "lora": {"enabled": lora, "r": settings.lora_r, "alpha": settings.lora_alpha,
                  "dropout": settings.lora_dropout, "target_modules": "all-linear"},
         "tasks": {TASK: {

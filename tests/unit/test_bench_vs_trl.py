@@ -107,6 +107,13 @@ def test_mogrpo_config_is_valid_and_matches_the_shared_settings(bench, tmp_path)
     on_gpu = workload.mogrpo_config("m", data, tmp_path / "run", 7, False, settings,
                                     device="cuda")
     assert on_gpu["device"] == "cuda" and on_gpu["model"]["dtype"] == "float32"
+    # bf16-mixed: float32 weights under bfloat16 autocast, as TRL's bf16=True trains
+    from mogrpo.config import RunConfig
+
+    mixed = workload.mogrpo_config("m", data, tmp_path / "run", 7, False, settings,
+                                   device="cuda", precision="bf16-mixed")
+    model = RunConfig.model_validate(mixed).model
+    assert (model.precision, model.dtype) == ("bf16-mixed", "bfloat16")
 
 
 def test_trl_config_matches_the_shared_settings(bench, tmp_path):
@@ -121,6 +128,30 @@ def test_trl_config_matches_the_shared_settings(bench, tmp_path):
     assert config.reward_weights == [1.0, 0.2]
     assert config.use_cpu
     assert not worker.grpo_config(bench["workload"].Settings(), 7, str(tmp_path), "cuda").use_cpu
+    mixed = worker.grpo_config(bench["workload"].Settings(), 7, str(tmp_path), "cpu",
+                               "bf16-mixed")
+    assert mixed.bf16 and not mixed.fp16
+
+
+def test_the_operation_count_leaves_out_views_and_paused_phases(bench):
+    import torch
+
+    op_count = bench_module("op_count")
+    counter = op_count.OpCounter()
+    x = torch.ones(4, 4)
+    with counter:
+        y = (x @ x).t().unsqueeze(0)  # mm; t and unsqueeze, views, make no kernel
+        with counter.pause():
+            y.add(1)  # a "rollout": not counted
+        y.sum()
+    step = counter.take()
+    assert step["kernels"] == 2 and step["ops"]["mm"] == 1 and step["ops"]["sum"] == 1
+    assert step["views"] == step["ops"]["t"] + step["ops"]["unsqueeze"] == 2
+    assert "add" not in step["ops"] and counter.take()["kernels"] == 0
+    mine = op_count.summarize([step])
+    table = op_count.compare(mine, {"kernels": 1, "views": 0, "ops": {"mm": 1}}, ("a", "b"))
+    assert "kernels a step (median)                 2        1" in table
+    assert "  sum                                   1        0" in table
 
 
 def test_the_gpu_options_refuse_a_machine_without_one(bench, capsys):
