@@ -63,7 +63,10 @@ def qwen_full_run(**changes) -> RunConfig:
         "tasks": {"t": {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.04}},
         "rollout": {"num_generations": 4, "max_seq_length": 512, "max_prompt_length": 256,
                     "max_completion_length": 256},
-        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1},
+        # each distinct prompt once (the figures below count it; `auto` would not share these
+        # 256-token prompts on a GPU: test_prompt_sharing_follows_the_device_and_the_lengths)
+        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1,
+                  "prompt_sharing": "on"},
     }
     return make_run(data, changes)
 
@@ -258,6 +261,27 @@ def test_ladder_shrinks_the_sft_batch_when_the_warm_up_is_the_peak():
     (step,) = ladder(lambda c, n: estimate(QWEN_1_5B, c, nproc=n), run, parse_size("12GiB"))
     # halving to 8 still needs ~17.7 GiB (the fp32 logits dominate), a quarter fits
     assert step.overrides == ["sft.batch_size=4"] and step.total <= 12 * GIB
+
+
+def test_prompt_sharing_follows_the_device_and_the_lengths():
+    # train.prompt_sharing auto: a CPU shares any saving; a GPU only where the prompts saved
+    # are half the tokens (kernels.prompt_sharing_min_saved), which 8 × 256-token prompts shared
+    # by K = 4 (6 × 256 of 8 × 512 tokens, 37.5 %) are not
+    def activations(device: str, sharing: str, **changes) -> int:
+        return estimate(QWEN_1_5B, qwen_full_run(train__prompt_sharing=sharing, **changes),
+                        device=device)["activations"]
+
+    shared, whole = activations("cuda", "on"), activations("cuda", "off")
+    assert shared < whole
+    assert activations("cuda", "auto") == whole
+    assert activations("cpu", "auto") == activations("cpu", "on") < activations("cpu", "off")
+    # 448-token prompts, 64-token completions, K = 8: 7 × 448 of 8 × 512 tokens (77 %) saved
+    long = {"rollout": {"num_generations": 8, "max_seq_length": 512, "max_prompt_length": 448,
+                        "max_completion_length": 64}}
+    assert activations("cuda", "auto", **long) == activations("cuda", "on", **long) \
+        < activations("cuda", "off", **long)
+    est = estimate(QWEN_1_5B, qwen_full_run(train__prompt_sharing="auto"))
+    assert "each distinct prompt once" not in est.table()
 
 
 def test_eager_attention_adds_the_score_matrices():

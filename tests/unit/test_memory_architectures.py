@@ -110,11 +110,11 @@ def test_gemma2_defaults_to_eager_attention_with_soft_capping():
     assert (arch.attention, arch.softcap) == ("eager", True)
     run = make_run({"model": {"name_or_path": "g", "dtype": "bfloat16"},
                     "rollout": {"num_generations": 4, "max_seq_length": 512},
-                    "train": {"micro_batch_size": 4}}, {})
+                    "train": {"micro_batch_size": 4, "prompt_sharing": "on"}}, {})
     sdpa = make_run({"model": {"name_or_path": "g", "dtype": "bfloat16",
                                "attn_implementation": "sdpa"},
                      "rollout": {"num_generations": 4, "max_seq_length": 512},
-                     "train": {"micro_batch_size": 4}}, {})
+                     "train": {"micro_batch_size": 4, "prompt_sharing": "on"}}, {})
     # 8 heads × 512 keys × (fp32 softmax 4 + its bf16 cast 2 + the tanh of the capping 2 B)
     # per token and layer, over 26 layers and the 1280 tokens the layers see: the 4 rows are
     # one prompt's group, so its 256 prompt tokens run once, then 4 × 256 completion tokens

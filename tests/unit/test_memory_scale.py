@@ -55,7 +55,9 @@ def run_1b(**sections) -> RunConfig:
         "tasks": {"t": {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.04}},
         "rollout": {"num_generations": 4, "max_seq_length": 512, "max_prompt_length": 256,
                     "max_completion_length": 256},
-        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 4},
+        # each distinct prompt once, as ACTIVATIONS_SHARED counts
+        "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 4,
+                  "prompt_sharing": "on"},
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)

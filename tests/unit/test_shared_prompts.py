@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import mogrpo.algo.logprobs as logprobs
+from mogrpo import kernels
 from mogrpo.algo.logprobs import SHARED_PROMPT_TYPES, completion_logprobs, shares_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: architectures
@@ -44,24 +45,26 @@ def _batch(K: int = 3):
     return shared_prompt_batch(V, K)
 
 
-def _logprobs_and_grads(model, batch, monkeypatch, *, shared: bool):
+def _logprobs_and_grads(model, batch, monkeypatch, *, shared: bool,
+                        min_saved: float | None = 0.0):
     with monkeypatch.context() as m:
         if not shared:
             m.setattr(logprobs, "shares_prompts", lambda model: False)
-        logp, _ = completion_logprobs(model, *batch, temperature=0.8)
+        logp, _ = completion_logprobs(model, *batch, temperature=0.8, min_saved=min_saved)
     logp.sum().backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     return logp.detach(), grads
 
 
-def _forward_rows(model, batch, monkeypatch) -> list[tuple[int, int]]:
+def _forward_rows(model, batch, monkeypatch,
+                  min_saved: float | None = 0.0) -> list[tuple[int, int]]:
     """(rows, tokens) of each forward the model's embedding saw."""
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(
         lambda module, args, out: seen.append(tuple(args[0].shape)))
     try:
-        _logprobs_and_grads(model, batch, monkeypatch, shared=True)
+        _logprobs_and_grads(model, batch, monkeypatch, shared=True, min_saved=min_saved)
     finally:
         handle.remove()
     return seen
@@ -133,6 +136,51 @@ def test_distinct_prompts_and_single_tokens(monkeypatch):
     shared, _ = _logprobs_and_grads(model, one, monkeypatch, shared=True)
     plain, _ = _logprobs_and_grads(model, one, monkeypatch, shared=False)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_each_device_asks_its_own_saving():
+    # a CPU shares whatever it saves; elsewhere (CUDA) half of the pass's tokens must go
+    assert kernels.prompt_sharing_min_saved("cpu") == 0.0
+    assert kernels.prompt_sharing_min_saved("cuda") == 0.5
+    assert logprobs.sharing_pays(1, 1000, 0.0) and not logprobs.sharing_pays(0, 1000, 0.0)
+    assert logprobs.sharing_pays(500, 1000, 0.5) and not logprobs.sharing_pays(499, 1000, 0.5)
+
+
+def test_sharing_only_where_it_saves_enough(monkeypatch):
+    model = _model("qwen2")
+    batch = _batch()  # 9 rows: sharing skips 6 × 7 of the 9 × 13 prompt and completion tokens
+    assert _forward_rows(model, batch, monkeypatch, 0.0) == [(3, 7), (9, 5)]
+    assert _forward_rows(model, batch, monkeypatch, None) == [(9, 13)]  # never
+    # half the tokens asked for (the CUDA rule): 36 % is not enough
+    searched = []
+    find = logprobs.distinct_prompts
+    monkeypatch.setattr(logprobs, "distinct_prompts", lambda *a: searched.append(1) or find(*a))
+    assert _forward_rows(model, batch, monkeypatch, 0.5) == [(9, 13)]
+    # even one prompt for all 9 rows would save 8 × 7 of 117 tokens: not searched for (on a GPU
+    # the search waits for the device)
+    assert searched == []
+    # one completion token each: the prompts are 42 of the 72 tokens (58 %), shared
+    one = (batch[0], batch[1], batch[2][:, :1], torch.ones_like(batch[3][:, :1]))
+    assert _forward_rows(model, one, monkeypatch, 0.5) == [(3, 7)]
+    assert searched
+    # and the one pass gives the shared pass's log-probs
+    whole, _ = _logprobs_and_grads(model, batch, monkeypatch, shared=True, min_saved=0.5)
+    shared, _ = _logprobs_and_grads(model, batch, monkeypatch, shared=True, min_saved=0.0)
+    torch.testing.assert_close(whole, shared, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("mode", "device", "expected"),
+                         [("auto", "cpu", 0.0), ("auto", "cuda", 0.5), ("on", "cuda", 0.0),
+                          ("off", "cpu", None)])
+def test_the_trainer_passes_train_prompt_sharing(mode, device, expected):
+    from types import SimpleNamespace
+
+    from mogrpo.trainer.update import UpdatePhases
+
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(train=SimpleNamespace(prompt_sharing=mode)),
+        ctx=SimpleNamespace(device=torch.device(device)))
+    assert UpdatePhases._prompt_sharing(trainer) == expected
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames the method

@@ -164,6 +164,12 @@ def shares_prompts(model: nn.Module) -> bool:
     return not ddp and not sharded(model)
 
 
+def sharing_pays(saved: int, tokens: int, min_saved: float) -> bool:
+    """Whether running each distinct prompt once, which skips `saved` of a pass's `tokens`,
+    saves at least `min_saved` of them."""
+    return saved > 0 and saved >= min_saved * tokens
+
+
 def sharded(model: nn.Module) -> bool:
     """Whether FSDP2 shards `model` (its forward must run through FSDP's hooks, which gather
     each unit's parameters)."""
@@ -334,6 +340,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     forward: Callable[..., Tensor | None] | None = None,
     share_prompts: bool | None = None,
+    min_saved: float | None = 0.0,
     products: Products = TORCH,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and optionally entropies) of the completion tokens given their prompts.
@@ -344,7 +351,11 @@ def completion_logprobs(
     sharing a prompt run it once (`_completion_outputs`) where `share_prompts` says so — by
     default where the model allows it (`shares_prompts`); a pass whose log-probs are compared
     with another model's (the reference with the policy) takes the other's choice, so both run
-    the same arithmetic.
+    the same arithmetic. ``min_saved``: the least share of the pass's tokens (prompt and
+    completion widths, padding included) that sharing must save, else one pass runs (0: share
+    whenever two rows hold one prompt; None: never; the trainer passes `train.prompt_sharing`'s,
+    `mogrpo.kernels.prompt_sharing_min_saved` for `auto`). Decided from the pass's own inputs,
+    so passes over the same rows decide alike.
 
     Where `output_head` finds a plain head, the last hidden states of the completion tokens
     (padding left out) are projected a chunk of tokens at a time (`head_logprobs`: no [B, C, V]
@@ -366,8 +377,16 @@ def completion_logprobs(
     for the machine; PyTorch's own by default).
     """
     args = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    share = shares_prompts(model) if share_prompts is None else share_prompts
+    share = min_saved is not None and (shares_prompts(model) if share_prompts is None
+                                       else share_prompts)
+    (rows, width), tokens = prompt_ids.shape, prompt_ids.numel() + completion_ids.numel()
+    # not even one prompt for all rows would save enough: no need to find the distinct ones
+    # (which waits for the device on a GPU)
+    share = share and sharing_pays((rows - 1) * width, tokens, min_saved)
     groups = distinct_prompts(prompt_ids, prompt_mask) if share else None
+    if groups is not None and not sharing_pays((rows - len(groups[0])) * width, tokens,
+                                               min_saved):
+        groups = None
     head = output_head(model, products)
     keep = completion_mask.bool()  # [B, C]
     if head is None:

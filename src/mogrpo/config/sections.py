@@ -380,6 +380,13 @@ class TrainConfig(Section):
     """Steps of linear learning-rate warm-up."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value."""
+    prompt_sharing: Literal["auto", "on", "off"] = "auto"
+    """The update's and the reference's forwards: `on` runs each distinct prompt of a
+    micro-batch once and the K completions on its keys and values (two passes, fewer tokens);
+    `off` runs every row whole (one pass, as TRL does); `auto` shares where the device gains:
+    on a CPU always, elsewhere when it saves at least half of the pass's tokens (long prompts,
+    many completions each). Equal log-probs to float rounding either way. Only for the
+    families that allow it, and never under gradient checkpointing, DDP or FSDP2."""
     host_memory: Literal["auto", "keep", "release"] = "auto"
     """What the C library's malloc does with the memory a step frees: "keep" holds it for the
     next step (glibc on Linux: no fresh pages faulted in every step, ~8 % of a small model's

@@ -14,6 +14,8 @@ CUDA graphs), behind these same functions.
 - `linear`, `trained_linear`: the training products for mogrpo's own forward (`score_hidden`);
 - `prepare_lora(model)`: LoRA layers fused and dropout masks drawn fast where that pays;
 - `apply_host_memory`: the C library's allocator told to keep a step's freed memory;
+- `prompt_sharing_min_saved(device)`: the least share of a log-prob forward's tokens that
+  running each distinct prompt once (two passes, not one) must save on this kind of device;
 - `describe()`: which kernels run here, for `mogrpo doctor`.
 
 Each function serves every device: where a hardware package has nothing faster it is PyTorch's
@@ -43,6 +45,7 @@ _SERVED = {
     "apply_host_memory": "cpu.host_memory",
 }
 __all__ = ["compiled_decoder", "describe", "graph_runner", "prepare_lora", "products",
+           "prompt_sharing_min_saved",
            *_SERVED]
 
 
@@ -60,6 +63,31 @@ def products() -> Products:
     from mogrpo.kernels.cpu import linear
 
     return linear.PRODUCTS
+
+
+PROMPT_SHARING_MIN_SAVED = {"cpu": 0.0}
+"""Per kind of device, the least share of a forward's tokens that running each distinct prompt
+once must save for it to pay (`prompt_sharing_min_saved`); other devices: `_MIN_SAVED_ELSEWHERE`.
+
+A shared forward is two passes (the distinct prompts, then the completions on their keys and
+values) where the plain one is one: fewer tokens, twice the operations.
+- CPU, 0: a CPU computes what it is given, so any saving counts. Measured on an AMD EPYC
+  (`benchmarks/results/epyc/prompt_sharing.md`; 4 prompts × 4 completions of 13 prompt and up
+  to 32 completion tokens, ~22 % of the tokens saved): the reference pass 6-11 % and the update
+  5-8 % faster at 0.7 M and 8 M, with 1.4-1.7 times the operations.
+- elsewhere (CUDA), 0.5: a GPU at GRPO's micro-batch sizes is often bound by launching its
+  kernels, not by their arithmetic, and twice the operations then cost up to twice the time;
+  sharing has to take out at least half the tokens to win whatever the regime. Not yet
+  measured on a GPU (`benchmarks/gpu_check.sh` times the update both ways).
+"""
+_MIN_SAVED_ELSEWHERE = 0.5
+
+
+def prompt_sharing_min_saved(device: str) -> float:
+    """The least share of a log-prob forward's tokens that running each distinct prompt once
+    must save on a `device` of this kind ("cpu", "cuda", ...) for `train.prompt_sharing: auto`
+    to share (`mogrpo.algo.logprobs.completion_logprobs`' `min_saved`)."""
+    return PROMPT_SHARING_MIN_SAVED.get(device, _MIN_SAVED_ELSEWHERE)
 
 
 def compiled_decoder(decoder: Any, rows: int, device: torch.device) -> tuple[object | None, bool]:

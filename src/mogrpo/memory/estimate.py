@@ -453,7 +453,7 @@ def _activations(shape: Architecture, run: RunConfig, p: int, device: str, batch
         shape, p, full_ft=not lc.enabled, lora=lora, rank=lc.r, dropout=lc.dropout,
         mask_bytes=1 if device == "cuda" else 4,
         eager_len=seq if (run.model.attn_implementation or shape.attention) == "eager" else 0)
-    shared = bool(prompt) and shared_prompts(shape, run, strategy)
+    shared = shared_prompts(shape, run, strategy, device, batch, prompt, seq - prompt)
     tokens = layer_tokens(batch, prompt, seq - prompt, run.rollout.num_generations, shared)
     # each row's copy of its prompt's keys and values, kept by the attention of its completion
     joined = batch * prompt * 2 * shape.kv_dim * p * shape.layers if shared else 0
@@ -498,7 +498,7 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     act, per_layer = _activations(shape, run, p, device, b, seq, completion + 1,
                                   layout.strategy, prompt)
     how = "checkpointed" if run.model.gradient_checkpointing else "no checkpointing"
-    shared = shared_prompts(shape, run, layout.strategy)
+    shared = shared_prompts(shape, run, layout.strategy, device, b, prompt, completion)
     _add(terms, "activations", "activations (training)", act, "training",
          f"{b} seqs × {seq} tokens × {per_layer / 1024:.0f} KiB/layer, {how}"
          + (f"; each distinct prompt once ({math.ceil(b / run.rollout.num_generations)})"

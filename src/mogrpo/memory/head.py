@@ -15,14 +15,18 @@ takes them: FSDP2-sharded models and families outside the chunked list; there th
 
 Prompt sharing (`mogrpo.algo.logprobs.shares_prompts`): the update's forward runs each
 distinct prompt once and the K completions on its keys and values — not under gradient
-checkpointing, DDP or FSDP2, nor for OPT. A micro-batch is assumed to hold whole groups, so
-it has ⌈rows / K⌉ distinct prompts.
+checkpointing, DDP or FSDP2, nor for OPT, and with `train.prompt_sharing: auto` only where it
+pays on the device for the longest prompt and completion
+(`kernels.prompt_sharing_min_saved`). A
+micro-batch is assumed to hold whole groups, so it has ⌈rows / K⌉ distinct prompts.
 """
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
+
+from mogrpo.kernels import prompt_sharing_min_saved
 
 if TYPE_CHECKING:
     from mogrpo.config import RunConfig
@@ -44,10 +48,18 @@ def chunked(shape: Architecture, strategy: str) -> bool:
     return shape.model_type in CHUNKED_TYPES and strategy != "fsdp"
 
 
-def shared_prompts(shape: Architecture, run: RunConfig, strategy: str) -> bool:
-    """Whether the update's forward runs each distinct prompt of a micro-batch once."""
-    return (shape.model_type in SHARED_TYPES and not run.model.gradient_checkpointing
-            and strategy == "none")
+def shared_prompts(shape: Architecture, run: RunConfig, strategy: str, device: str,
+                   rows: int, prompt: int, completion: int) -> bool:
+    """Whether the update's forward runs each distinct prompt of a micro-batch of `rows`
+    completions (`prompt` + `completion` tokens) once on `device` (`train.prompt_sharing`)."""
+    sharing = run.train.prompt_sharing
+    if (sharing == "off" or shape.model_type not in SHARED_TYPES
+            or run.model.gradient_checkpointing or strategy != "none" or not prompt):
+        return False
+    saved = (rows - math.ceil(rows / run.rollout.num_generations)) * prompt
+    least = 0.0 if sharing == "on" else prompt_sharing_min_saved(device)
+    # as mogrpo.algo.logprobs.sharing_pays decides
+    return saved > 0 and saved >= least * rows * (prompt + completion)
 
 
 def layer_tokens(rows: int, prompt: int, completion: int, k: int, shared: bool) -> int:

@@ -46,6 +46,7 @@ class UpdatePhases:
         # the update's choice (its policy may be DDP-wrapped): the same rows then take the same
         # arithmetic here, and KL and ratios are exact while the policy equals them
         share = shares_prompts(self.parallel.module)
+        min_saved = self._prompt_sharing()
         # under the update's autocast; one context, so the policy's weights are cast once
         with self.ctx.precision.autocast():
             for rows in self.parallel.pad(micro_batches):
@@ -57,13 +58,14 @@ class UpdatePhases:
                 if need_old:
                     logp = completion_logprobs(self.ctx.policy, *args, temperature=temperature,
                                                forward=score_hidden, share_prompts=share,
-                                               products=kernels.products())[0]
+                                               min_saved=min_saved, products=kernels.products())[0]
                     if keep:
                         old[rows, :width] = logp
                 if need_ref:
                     with self.reference.model() as ref_model:
                         logp = completion_logprobs(ref_model, *args, temperature=temperature,
                                                    forward=score_hidden, share_prompts=share,
+                                                   min_saved=min_saved,
                                                    products=kernels.products())[0]
                     if keep:
                         ref[rows, :width] = logp
@@ -154,7 +156,16 @@ class UpdatePhases:
         with self.ctx.precision.autocast():
             return completion_logprobs(policy, *args, temperature=self.ctx.sampling.temperature,
                                        with_entropy=with_entropy, forward=score_hidden,
+                                       min_saved=self._prompt_sharing(),
                                        products=kernels.products())
+
+    def _prompt_sharing(self) -> float | None:
+        """`train.prompt_sharing` as the least share of a pass's tokens that running each
+        distinct prompt once must save (None: never share)."""
+        mode = self.config.train.prompt_sharing
+        if mode == "auto":
+            return kernels.prompt_sharing_min_saved(self.ctx.device.type)
+        return 0.0 if mode == "on" else None
 
     def _apply_gradients(self, totals: dict | None) -> float:
         """Clip the accumulated gradients and take the optimizer and scheduler steps; the
