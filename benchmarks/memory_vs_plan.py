@@ -3,6 +3,7 @@
     python benchmarks/memory_vs_plan.py --cases qwen2.5-0.5b/lora+ckpt       # one at a time
     python benchmarks/memory_vs_plan.py --cases ... --measure profiler       # CPU: slow, exact
     python benchmarks/memory_vs_plan.py --report                             # the table only
+    python benchmarks/memory_vs_plan.py --cases ... --out benchmarks/results/h200/memory_vs_plan
 
 Random-weight models built from the published configs in `benchmarks/model_configs/`
 (`AutoModelForCausalLM.from_config`, nothing downloaded; a small byte-level BPE tokenizer, the
@@ -23,9 +24,11 @@ reference (β 0.04). Each configuration runs in a process of its own and records
   recording each of a decode loop's allocations at this size is far slower; on a
   GPU `torch.cuda.max_memory_allocated`.
 
-The plan is `mogrpo.memory.estimate` for the same run config (device "cpu" here: no CUDA
-context term; "cuda" on a GPU), computed when the report is written, so a change to the planner
-needs no new measurement. Results accumulate in `benchmarks/results/memory_vs_plan.json`.
+The plan is `mogrpo.memory.estimate` for the same run config on the device the case ran on
+("cpu": no CUDA context term; "cuda": less its CUDA context term, which
+`max_memory_allocated` does not see), computed when the report is written, so a change to the
+planner needs no new measurement. Results accumulate in OUT.json (`--out`, default
+`benchmarks/results/memory_vs_plan`: the CPU's), the table goes to OUT.md.
 """
 
 from __future__ import annotations
@@ -203,16 +206,17 @@ MEASURES = {"rss": "RSS peak − fixed", "profiler": "tensor peak (profiler)",
             "max_memory_allocated": "CUDA max allocated"}
 
 
-def plan(case: str) -> tuple[int, object]:
-    """The planner's estimate of `case` on this device kind (CPU: no CUDA context)."""
+def plan(case: str, device: str = "cpu") -> tuple[int, object]:
+    """The planner's estimate of `case` on `device` ("cpu", or "cuda" less the CUDA context
+    term, which `torch.cuda.max_memory_allocated` does not count)."""
     from mogrpo.config import RunConfig
     from mogrpo.memory import estimate
 
     name = CASES[case][0]
     published = json.loads((CONFIGS / f"{name}.json").read_text())
     run = RunConfig.model_validate(run_config(case, "model", "prompts.jsonl", "run"))
-    est = estimate(published, run, device="cpu")
-    return est.total, est
+    est = estimate(published, run, device=device)
+    return est.total - (est["overhead"] if device == "cuda" else 0), est
 
 
 def report(results: dict[str, dict], command: str) -> str:
@@ -222,10 +226,11 @@ def report(results: dict[str, dict], command: str) -> str:
     from mogrpo.kernels.cpu.linear import cpu_name
 
     gib = 2**30
+    gpu = (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")
     lines = [
         "# Memory planner vs measurement at real shapes",
         "",
-        f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
+        f"{cpu_name()}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, torch "
         f"{torch.__version__}. `{command}` (each configuration in its own process, one at a "
         f"time). {PROMPTS} prompts × {K} completions, {PROMPT} + {COMPLETION} tokens, 2 GRPO "
         "steps, β 0.04 (a reference), AdamW (`full-adamw8bit`: bitsandbytes' 8-bit AdamW); LoRA "
@@ -239,7 +244,7 @@ def report(results: dict[str, dict], command: str) -> str:
     from mogrpo.modeling.architecture import Architecture
 
     for case, r in results.items():
-        total, est = plan(case)
+        total, est = plan(case, r.get("device", "cpu"))
         params = Architecture.from_config(
             json.loads((CONFIGS / f"{CASES[case][0]}.json").read_text())).params
         lora = CASES[case][1]
@@ -261,6 +266,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=[], choices=sorted(CASES), metavar="CASE")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mogrpo-mvp")
     parser.add_argument("--report", action="store_true", help="only write the table")
+    parser.add_argument("--out", type=Path, default=RESULTS / "memory_vs_plan",
+                        help="results path without suffix: OUT.json (kept, added to) and OUT.md")
     parser.add_argument("--measure", choices=("rss", "profiler"), default="rss",
                         help="on CPU: RSS peak − fixed overhead (cheap) or torch.profiler's "
                         "tensor peak (slow)")
@@ -274,7 +281,7 @@ def main() -> None:
         print(json.dumps(child(args.child[0], args.child[1], str(args.work / "case"),
                                args.child[2])))
         return
-    store = RESULTS / "memory_vs_plan.json"
+    store = args.out.with_suffix(".json")
     results = json.loads(store.read_text()) if store.exists() else {}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for case in args.cases:
@@ -289,9 +296,22 @@ def main() -> None:
         results[case] = json.loads(out.strip().splitlines()[-1])
         store.write_text(json.dumps(results, indent=1) + "\n")
         print(case, results[case], flush=True)
-    command = "python benchmarks/memory_vs_plan.py --cases CASE [--measure profiler]"
-    (RESULTS / "memory_vs_plan.md").write_text(report(results, command) + NOTES)
-    print(f"wrote {RESULTS / 'memory_vs_plan.md'}")
+    on_cpu = all(r.get("device", "cpu") == "cpu" for r in results.values())
+    command = ("python benchmarks/memory_vs_plan.py --cases CASE [--measure profiler]" if on_cpu
+               else f"python benchmarks/memory_vs_plan.py --cases {' '.join(results)} --out OUT")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(
+        report(results, command) + (NOTES if args.out == RESULTS / "memory_vs_plan" else
+                                    GPU_NOTES if not on_cpu else ""))
+    print(f"wrote {args.out.with_suffix('.md')}")
+
+
+GPU_NOTES = """
+On a GPU "measured" is `torch.cuda.max_memory_allocated()` over the whole run (the model's load
+and both steps): the most bytes PyTorch's tensors held at once. The plan beside it is the
+planner's total for device "cuda" less its 1 GiB term for the CUDA context and allocator slack,
+which that counter does not see; the RSS columns are the host process's.
+"""
 
 
 NOTES = """

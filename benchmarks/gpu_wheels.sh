@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The Python packages `benchmarks/gpu_check.sh` needs that a bare GPU machine's image lacks, as
+# wheels in .whl/ (git-ignored), fetched here where a package index is reachable:
+#
+#   benchmarks/gpu_wheels.sh [--bitsandbytes]
+#
+# For CPython 3.12 on x86-64 Linux, without their dependencies (each one needed is named):
+# mogrpo's pydantic, transformers and datasets at the versions CI tests, TRL for the vs_trl
+# steps. The image already holds torch, accelerate's and datasets' other needs (numpy, pyarrow,
+# fsspec, xxhash, huggingface-hub, tokenizers, safetensors, pyyaml, tqdm) and peft.
+# `--bitsandbytes` adds bitsandbytes (43 MB: with this repository it comes near the 64 MiB a
+# device call carries), for the 8-bit optimizer and 4-bit cases. Then, on the GPU machine,
+# `benchmarks/gpu_run.sh` installs them and runs gpu_check.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+packages=(
+    pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+    transformers==5.24.0 peft==0.21.2 accelerate==1.15.0
+    datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+    trl==1.16.0
+)
+[ "${1:-}" = --bitsandbytes ] && packages+=(bitsandbytes==0.50.2)
+mkdir -p .whl
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+         manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl "${packages[@]}"
+du -sh .whl
+echo "carry .whl to the GPU machine and run: bash benchmarks/gpu_run.sh"

@@ -1,0 +1,49 @@
+"""`benchmarks/gpu_check.sh` runs on a GPU lent for minutes, by chance: every command it runs
+must take the options it is given, or the lease is lost to a typo. Checked here against each
+script's own `--help`, and the shell script's syntax with `bash -n`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("gpu_check.sh", "gpu_run.sh", "gpu_wheels.sh")
+
+
+def commands() -> list[tuple[str, list[str]]]:
+    """(script, its options) for each `"$py" benchmarks/X.py ...` command in gpu_check.sh."""
+    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text(encoding="utf-8")
+    joined = re.sub(r"\\\n\s*", " ", text)  # continuation lines joined
+    found = []
+    for match in re.finditer(r'"\$py" (benchmarks/\S+\.py)([^\n;|&]*)', joined):
+        found.append((match.group(1), re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", match.group(2))))
+    return found
+
+
+def test_the_check_runs_the_steps_it_documents():
+    scripts = {script for script, _ in commands()}
+    assert scripts >= {"benchmarks/gpu_equivalence.py", "benchmarks/decode_speed.py",
+                       "benchmarks/vs_trl/run.py", "benchmarks/profile_step.py",
+                       "benchmarks/prompt_sharing.py", "benchmarks/memory_vs_plan.py",
+                       "benchmarks/gpu_smoke.py"}
+
+
+@pytest.mark.parametrize("script", sorted({s for s, _ in commands()}))
+def test_every_option_the_check_passes_exists(script):
+    options = {o for s, opts in commands() if s == script for o in opts}
+    shown = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    missing = sorted(o for o in options if not re.search(rf"(?<![\w-]){o}(?![\w-])",
+                                                         shown.stdout))
+    assert not missing, f"{script} does not take {missing}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_scripts_parse(name):
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / name)]).returncode == 0
