@@ -46,7 +46,6 @@ from mogrpo.trainer.progress import Progress
 from mogrpo.trainer.update import UpdatePhases
 
 log = logging.getLogger(__name__)
-UPDATE_NORM_MAX_PARAMS = 50_000_000
 
 
 class GRPOTrainer(UpdatePhases):
