@@ -188,3 +188,18 @@ def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_model, capsys):
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     assert main(["train", str(path)]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_a_full_run_without_prompt_sharing_starts_at_kl_zero_and_learns(tmp_path, tiny_model):
+    # train.prompt_sharing: off runs every row whole, as `auto` does on a GPU for short
+    # prompts: the policy's and the reference's passes still take the same arithmetic
+    from transformers import AutoModelForCausalLM
+
+    path = write_config(tmp_path, tiny_model, lora=False, sft={"enabled": False},
+                        train={"prompt_sharing": "off"}, health={"enabled": False})
+    assert main(["train", str(path)]) == 0
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == STEPS and metrics[0]["kl"] == 0.0 and metrics[-1]["kl"] > 0.0
+    before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "model").state_dict()
+    assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
