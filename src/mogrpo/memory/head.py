@@ -16,9 +16,8 @@ takes them: FSDP2-sharded models and families outside the chunked list; there th
 Prompt sharing (`mogrpo.algo.logprobs.shares_prompts`): the update's forward runs each
 distinct prompt once and the K completions on its keys and values — not under gradient
 checkpointing, DDP or FSDP2, nor for OPT, and with `train.prompt_sharing: auto` only where it
-pays on the device for the longest prompt and completion
-(`kernels.prompt_sharing_min_saved`). A
-micro-batch is assumed to hold whole groups, so it has ⌈rows / K⌉ distinct prompts.
+pays on the device for the longest prompt and completion (`kernels.prompt_sharing_min_saved`).
+A micro-batch is assumed to hold whole groups, so it has ⌈rows / K⌉ distinct prompts.
 """
 
 from __future__ import annotations
