@@ -75,11 +75,19 @@ class StepProfiler:
         steps = max(self.steps, 1)
         lines = [title, f"steps profiled: {self.steps} (the rollout left out)"]
         if self.cuda:
-            kernels = [e for e in self.prof.events() if e.device_type.name == "CUDA"]
-            busy_us = sum(e.device_time_total for e in kernels if e.device_time_total)
-            lines.append(f"CUDA kernels a step: {len(kernels) / steps:.0f}, device busy a step: "
-                         f"{busy_us / steps / 1000:.1f} ms")
-        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        lines.append(events.table(sort_by=sort, row_limit=40, max_name_column_width=60))
+            try:  # the kernels themselves: events on the device, not the operators that ran them
+                kernels = [e for e in self.prof.events()
+                           if getattr(e.device_type, "name", "") == "CUDA"]
+                busy_us = sum(getattr(e, "device_time_total", 0) or 0 for e in kernels)
+                lines.append(f"CUDA kernels a step: {len(kernels) / steps:.0f}, device busy a "
+                             f"step: {busy_us / steps / 1000:.1f} ms")
+            except Exception as err:  # a profiler without these fields: the table still helps
+                lines.append(f"(kernel count unavailable: {err!r})")
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        try:
+            lines.append(events.table(sort_by=sort, row_limit=40, max_name_column_width=60))
+        except Exception:  # an older name of the device column
+            lines.append(events.table(sort_by="self_cuda_time_total", row_limit=40,
+                                      max_name_column_width=60))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("\n".join(lines) + "\n", encoding="utf-8")
