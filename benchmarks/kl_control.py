@@ -20,9 +20,10 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from demo_seeds import kl_stats, machine, run_seed
+from demo_seeds import kl_stats, run_seed
 
 from mogrpo.demo import demo_base
+from mogrpo.kernels.cpu.linear import machine_line
 
 FIELDS = ("low", "high", "rate", "target", "horizon", "kp", "ki", "max_step", "warmup_steps",
           "beta_min", "beta_max")
@@ -106,7 +107,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         "# KL controllers on the demo's tasks\n\n"
-        f"Machine: {machine()}. Commit {commit}. Command: `python benchmarks/kl_control.py "
+        f"Machine: {machine_line()}. Commit {commit}. Command: `python benchmarks/kl_control.py "
         f"--seeds {' '.join(map(str, args.seeds))}"
         + (f" --beta-scale {args.beta_scale:g}" if args.beta_scale != 1.0 else "") + "`; β "
         f"started at {args.beta_scale:g}× the demo's.\n\n"
