@@ -28,5 +28,14 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d .whl "${packages[@]}"
-du -sh .whl
+# what a device call carries: the tracked files, the untracked ones git does not ignore, .whl/
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 cat 2>/dev/null | wc -c)
+wheels=$(cat .whl/*.whl | wc -c)
+echo "wheels $(( wheels / 1048576 )) MiB + working tree $(( tree / 1048576 )) MiB" \
+     "= $(( (wheels + tree) / 1048576 )) MiB of the 64 MiB a device call carries"
+if [ $(( wheels + tree )) -gt $(( 64 * 1048576 )) ]; then
+    echo "gpu_wheels: over 64 MiB: remove a wheel the GPU image already has at a version that" \
+         "works (transformers is the largest after bitsandbytes)" >&2
+    exit 1
+fi
 echo "carry .whl to the GPU machine and run: bash benchmarks/gpu_run.sh"
