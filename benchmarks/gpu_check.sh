@@ -20,6 +20,8 @@
 #                   (what train.prompt_sharing: auto decides on a GPU);
 #  6. memory        memory_vs_plan.py: torch.cuda.max_memory_allocated against the planner at
 #                   Qwen2.5-0.5B, full bf16-mixed and LoRA;
+#     memory_bnb    the same for bitsandbytes' 8-bit AdamW and QLoRA (a 4-bit base), when
+#                   bitsandbytes is installed (gpu_wheels.sh --bitsandbytes);
 #  7. vs_trl_fp32   vs_trl/run.py in fp32, small and 0.21 B, full and LoRA (the H200 table's
 #                   settings, for before/after);
 #  8. smoke         gpu_smoke.py --engines native hf: `mogrpo train` end to end with each engine.
@@ -104,6 +106,10 @@ step sharing 60 "$py" benchmarks/prompt_sharing.py --device "$device" --precisio
 if [ "$device" = cuda ]; then
     step memory 90 "$py" benchmarks/memory_vs_plan.py --work "$work/memory" \
         --out "$out/memory_vs_plan" --cases qwen2.5-0.5b/full-bf16-mixed qwen2.5-0.5b/lora
+    if has bitsandbytes; then
+        step memory_bnb 90 "$py" benchmarks/memory_vs_plan.py --work "$work/memory" \
+            --out "$out/memory_vs_plan" --cases qwen2.5-0.5b/full-adamw8bit qwen2.5-0.5b/qlora
+    fi
 else  # a 0.5 B model's two steps take minutes on a CPU: the table alone, from the CPU results
     cp benchmarks/results/memory_vs_plan.json "$work/memory_vs_plan.json"
     step memory 60 "$py" benchmarks/memory_vs_plan.py --report --out "$work/memory_vs_plan"

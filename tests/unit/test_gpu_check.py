@@ -15,14 +15,31 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("gpu_check.sh", "gpu_run.sh", "gpu_wheels.sh")
 
 
+def _joined(name: str) -> str:
+    text = (ROOT / "benchmarks" / name).read_text(encoding="utf-8")
+    return re.sub(r"\\\n\s*", " ", text)  # continuation lines joined
+
+
 def commands() -> list[tuple[str, list[str]]]:
-    """(script, its options) for each `"$py" benchmarks/X.py ...` command in gpu_check.sh."""
-    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text(encoding="utf-8")
-    joined = re.sub(r"\\\n\s*", " ", text)  # continuation lines joined
+    """(script, its options) for each Python script gpu_check.sh and gpu_wheels.sh run."""
     found = []
-    for match in re.finditer(r'"\$py" (benchmarks/\S+\.py)([^\n;|&]*)', joined):
-        found.append((match.group(1), re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", match.group(2))))
+    for name, python in (("gpu_check.sh", r'"\$py"'), ("gpu_wheels.sh", "python3")):
+        for match in re.finditer(python + r' (benchmarks/\S+\.py)([^\n;|&]*)', _joined(name)):
+            found.append((match.group(1),
+                          re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", match.group(2))))
     return found
+
+
+def test_the_memory_cases_the_check_names_exist():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import memory_vs_plan
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    named = [case for match in re.finditer(r"--cases ([^\n;|&]*)", _joined("gpu_check.sh"))
+             for case in match.group(1).split()]
+    assert "qwen2.5-0.5b/full-adamw8bit" in named and "qwen2.5-0.5b/qlora" in named
+    assert set(named) <= set(memory_vs_plan.CASES), set(named) - set(memory_vs_plan.CASES)
 
 
 def test_the_check_runs_the_steps_it_documents():
@@ -30,7 +47,7 @@ def test_the_check_runs_the_steps_it_documents():
     assert scripts >= {"benchmarks/gpu_equivalence.py", "benchmarks/decode_speed.py",
                        "benchmarks/vs_trl/run.py", "benchmarks/profile_step.py",
                        "benchmarks/prompt_sharing.py", "benchmarks/memory_vs_plan.py",
-                       "benchmarks/gpu_smoke.py"}
+                       "benchmarks/gpu_smoke.py", "benchmarks/slim_wheel.py"}
 
 
 @pytest.mark.parametrize("script", sorted({s for s, _ in commands()}))
