@@ -89,3 +89,21 @@ def test_grpo_full_fine_tuning_with_8bit_adamw_on_the_cpu(tmp_path, tiny_model):
     # of this tiny model), in fp32 for the smaller ones
     assert {t.dtype for t in m} == {torch.uint8, torch.float32}
     assert all((t.dtype == torch.uint8) == (t.numel() >= 4096) for t in m)
+
+
+def test_qlora_under_bf16_mixed_with_the_head_in_chunks(tmp_path, tiny_model, monkeypatch):
+    """bf16-mixed, the GPU default, over a 4-bit base: float32 norms (the upcast a quantised
+    base keeps) meet the bf16 head in the log-prob pass. With the tokens in several chunks
+    of the head (every real vocabulary), its backward once ran outside the forward's autocast
+    and failed on the dtypes at the first step."""
+    import mogrpo.algo.head_logprobs as chunked
+
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4096)  # a few tokens a chunk
+    path = _two_steps(tmp_path, tiny_model, {"load_in_4bit": True, "precision": "bf16-mixed"},
+                      lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=1e-2)
+    assert main(["train", str(path)]) == 0
+    steps = [json.loads(line) for line in
+             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["policy/grad_norm"] > 0 for m in steps)

@@ -132,6 +132,53 @@ def test_bf16_weight_gradient_sums_chunks_in_float32(monkeypatch):
     assert ours < 1.5 * theirs
 
 
+def _autocast_grads(ours: bool, head_dtype: torch.dtype, tokens_a_chunk: int, monkeypatch):
+    """(logp, the hidden states' gradient, the head weight's or None) of one pass under CPU
+    bf16 autocast (`model.precision: bf16-mixed`), the backward run after the autocast context
+    has closed, as the trainer runs it. `ours`: head_logprobs; else the model's own head and
+    the full logits. A float32 head is full fine-tuning's master weight; a bf16 one is frozen,
+    under a float32 hidden state, as a quantised base's upcast norm gives it."""
+    torch.manual_seed(0)
+    N, H, vocab = 64, 32, 512
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", tokens_a_chunk * vocab * 4)
+    hidden = torch.nn.Parameter(torch.randn(N, H))
+    weight = torch.nn.Parameter((torch.randn(vocab, H) * 0.3).to(head_dtype),
+                                requires_grad=head_dtype == torch.float32)
+    targets, upstream = torch.randint(0, vocab, (N,)), torch.randn(N)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = head_logprobs(hidden, _head(weight), targets, 0.8)[0] if ours else \
+            token_logprobs_and_entropy(F.linear(hidden, weight)[None], targets[None], 0.8,
+                                       False)[0][0]
+    (logp * upstream).sum().backward()
+    return logp.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("tokens_a_chunk", [64, 8], ids=["one chunk", "8 chunks"])
+def test_under_mixed_precision_the_backward_is_autograds(tokens_a_chunk, monkeypatch):
+    """The backward computes its logits, and its products, in the forward's autocast dtype:
+    the hidden states' gradient is autograd's through the model's own bf16 head, to the bit
+    here; the weight's differs only by summing the chunks' bf16 products in float32."""
+    logp, grad_h, grad_w = _autocast_grads(True, torch.float32, tokens_a_chunk, monkeypatch)
+    ref_logp, ref_h, ref_w = _autocast_grads(False, torch.float32, 64, monkeypatch)
+    assert torch.equal(logp, ref_logp)
+    torch.testing.assert_close(grad_h, ref_h, rtol=1e-5, atol=1e-7)
+    if tokens_a_chunk == 64:
+        torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-7)
+    else:  # one bf16 rounding a chunk: within bf16's precision of autograd's one product
+        assert ((grad_w - ref_w).norm() / ref_w.norm()).item() < 4e-3
+
+
+def test_a_float32_hidden_state_meets_a_bf16_head_under_autocast(monkeypatch):
+    """QLoRA and 8-bit LoRA under bf16-mixed: the norms are float32, the frozen head bf16.
+    The forward's autocast multiplied them; the backward, run after it, once failed on the
+    dtypes when the tokens took more than one chunk (any real vocabulary)."""
+    logp, grad_h, grad_w = _autocast_grads(True, torch.bfloat16, 8, monkeypatch)
+    ref_logp, ref_h, _ = _autocast_grads(False, torch.bfloat16, 64, monkeypatch)
+    assert grad_w is None and grad_h.dtype == torch.float32
+    assert torch.equal(logp, ref_logp)
+    torch.testing.assert_close(grad_h, ref_h, rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------- on the families' models
 
 

@@ -108,26 +108,31 @@ def head_logprobs(hidden: Tensor, head: OutputHead, targets: Tensor, temperature
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
-            softcap: float | None, products: Products) -> tuple[Tensor, Tensor | None]:
-    """(z, tanh) for h [n, H]: z [n, V] = cap(h W^T + b) upcast, / temperature, as the
-    full-logit path computes it; tanh the cap's tanh [n, V] (its backward needs it), or None."""
+            softcap: float | None, products: Products
+            ) -> tuple[Tensor, Tensor | None, torch.dtype]:
+    """(z, tanh, the logits' dtype) for h [n, H]: z [n, V] = cap(h W^T + b) upcast, /
+    temperature, as the full-logit path computes it; tanh the cap's tanh [n, V] (its backward
+    needs it), or None; the dtype the product gave (the model's, or autocast's under mixed
+    precision)."""
     raw = products.linear(h, weight, bias)  # [n, V] in the model's dtype
     tanh = None
     if softcap is not None:  # Gemma 2's order: / cap, tanh, * cap, in the model's dtype
         tanh = torch.tanh(raw / softcap)
         raw = tanh * softcap
     z = raw.to(compute_dtype(raw.dtype))  # a fresh tensor either way: divided in place
-    return (z.div_(temperature) if temperature != 1.0 else z), tanh
+    return (z.div_(temperature) if temperature != 1.0 else z), tanh, raw.dtype
 
 
 def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
              temperature: float, softcap: float | None, with_entropy: bool,
              products: Products, keep: bool = False
-             ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor | None] | None]:
+             ) -> tuple[Tensor, Tensor, Tensor,
+                        tuple[Tensor, Tensor | None, torch.dtype] | None]:
     """(logp [N], entropy [N] or [0], logsumexp [N], kept), one chunk of tokens at a time.
 
     `keep` and the tokens fit in one chunk: `kept` is (the softmax [N, V], the cap's tanh or
-    None) for the backward, which then does not compute the logits again; else None."""
+    None, the logits' dtype) for the backward, which then does not compute the logits again;
+    else None."""
     N, dtype = hidden.shape[0], compute_dtype(weight.dtype)
     logp = hidden.new_empty(N, dtype=dtype)
     lse = torch.empty_like(logp)
@@ -135,14 +140,14 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tenso
     rows = chunk_rows(weight.shape[0], dtype)
     kept = None
     for s in range(0, N, rows):
-        z, tanh = _logits(hidden[s:s + rows], weight, bias, temperature, softcap, products)
+        z, tanh, raw = _logits(hidden[s:s + rows], weight, bias, temperature, softcap, products)
         lse[s:s + rows] = torch.logsumexp(z, dim=-1)
         picked = z.gather(-1, targets[s:s + rows, None]).squeeze(-1)  # [n]
         logp[s:s + rows] = picked - lse[s:s + rows]
         if with_entropy:
             entropy[s:s + rows] = entropy_from(z, lse[s:s + rows])
         if keep and N <= rows:  # the backward's first operation, on the same values
-            kept = z.sub_(lse[:, None]).exp_(), tanh
+            kept = z.sub_(lse[:, None]).exp_(), tanh, raw
     return logp, entropy, lse, kept
 
 
@@ -151,7 +156,15 @@ class _HeadLogProb(torch.autograd.Function):
     states and weight: the saved tensors are O(N H + V H), not O(N V). Where every token fits
     in one chunk (a small vocabulary or few tokens: at most CHUNK_BYTES of float32 logits) the
     forward keeps that chunk's softmax instead, and the backward skips the recomputation —
-    one [N, H] x [H, V] product fewer, the full-logit path's cost, within the chunk's memory."""
+    one [N, H] x [H, V] product fewer, the full-logit path's cost, within the chunk's memory.
+
+    Under mixed precision the forward runs inside `torch.autocast` and the backward after it
+    has closed (on CUDA, on autograd's own thread, where it never was on). The backward
+    therefore enters the forward's autocast state again: its recomputed logits are the
+    forward's (the same bf16 product the saved logsumexp came from, so the softmax sums to 1),
+    its products run in autocast's dtype as autograd's backward of the model's own head does,
+    and a float32 hidden state (a norm upcast over a quantised base) meets a 16-bit head as it
+    did in the forward instead of failing on the dtypes."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None,  # type: ignore[override]
@@ -159,15 +172,24 @@ class _HeadLogProb(torch.autograd.Function):
                 with_entropy: bool, products: Products) -> tuple[Tensor, Tensor]:
         logp, entropy, lse, kept = _forward(hidden, weight, bias, targets, temperature,
                                             softcap, with_entropy, products, keep=True)
-        probs, tanh = kept if kept is not None else (None, None)
+        probs, tanh, ctx.raw_dtype = kept if kept is not None else (None, None, None)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, probs, tanh)
         ctx.temperature, ctx.softcap, ctx.products = temperature, softcap, products
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device),
+                        torch.get_autocast_dtype(device))
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad: Tensor, _entropy: Tensor | None  # type: ignore[override]
                  ) -> tuple[Tensor | None, ...]:
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):  # the forward's state
+            return _HeadLogProb._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, targets, lse, probs, kept_tanh = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         T, cap, products = ctx.temperature, ctx.softcap, ctx.products
@@ -180,16 +202,16 @@ class _HeadLogProb(torch.autograd.Function):
         for s in range(0, hidden.shape[0], rows):
             h, g = hidden[s:s + rows], grad[s:s + rows, None]  # [n, H], [n, 1]
             if probs is not None:  # one chunk, its softmax kept by the forward
-                dz, tanh = probs * -g, kept_tanh
+                dz, tanh, raw = probs * -g, kept_tanh, ctx.raw_dtype
             else:
-                z, tanh = _logits(h, weight, bias, T, cap, products)  # [n, V]
+                z, tanh, raw = _logits(h, weight, bias, T, cap, products)  # [n, V]
                 # logsumexp's backward as autograd writes it, -g * exp(z - lse), in place in
                 # z; then the gathered entry's +g
                 dz = z.sub_(lse[s:s + rows, None]).exp_().mul_(-g)
             dz.scatter_add_(-1, targets[s:s + rows, None], g)
             if T != 1.0:
                 dz.div_(T)
-            d_raw = dz.to(weight.dtype)  # [n, V]: the gradient of the model-dtype logits
+            d_raw = dz.to(raw)  # [n, V]: the gradient of the logits in the product's dtype
             if tanh is not None:  # autograd's order: * cap, tanh's 1 - y^2, / cap
                 d_raw = d_raw * cap * (1 - tanh * tanh) / cap
             if need_h:
