@@ -19,12 +19,12 @@
 #  5. sharing       prompt_sharing.py: the update with each distinct prompt once and without
 #                   (what train.prompt_sharing: auto decides on a GPU);
 #  6. memory        memory_vs_plan.py: torch.cuda.max_memory_allocated against the planner at
-#                   Qwen2.5-0.5B, full bf16-mixed and LoRA;
+#                   Qwen2.5-0.5B, full fine-tuning and LoRA in bf16-mixed (a GPU's default);
 #     memory_bnb    the same for bitsandbytes' 8-bit AdamW and QLoRA (a 4-bit base), when
 #                   bitsandbytes is installed (gpu_wheels.sh --bitsandbytes);
-#  7. vs_trl_fp32   vs_trl/run.py in fp32, small and 0.21 B, full and LoRA (the H200 table's
+#  7. smoke         gpu_smoke.py --engines native hf: `mogrpo train` end to end with each engine.
+#  8. vs_trl_fp32   vs_trl/run.py in fp32, small and 0.21 B, full and LoRA (the H200 table's
 #                   settings, for before/after);
-#  8. smoke         gpu_smoke.py --engines native hf: `mogrpo train` end to end with each engine.
 #
 # Results go under OUT_DIR as each step ends; with GPU_CHECK_ARCHIVE=FILE, OUT_DIR is also
 # packed into FILE (a .tgz) after every step, so a lease that ends early keeps what finished.
@@ -96,7 +96,9 @@ if has trl; then
     step vs_trl_bf16 110 "$py" benchmarks/vs_trl/run.py --device "$device" --sizes "$big" \
         --modes full --precision bf16-mixed --repeats 2 --steps 6 --work "$work/vs-trl-bf16" \
         --out "$out/vs_trl_gpu_bf16"
-    step update 70 "$py" benchmarks/profile_step.py --device "$device" --size "$big" \
+    # the rollout is left out of the profile; its CUDA graphs are too (no capture under the
+    # profiler's session)
+    MOGRPO_DECODE_GRAPH=0 step update 70 "$py" benchmarks/profile_step.py --device "$device" --size "$big" \
         --mode full --precision bf16-mixed --steps 6 --threads 1 --trl --work "$work/profile" \
         --torch-profile "$out/update_profile.txt" --out "$out/update_phases.txt"
 fi
@@ -105,24 +107,26 @@ step sharing 60 "$py" benchmarks/prompt_sharing.py --device "$device" --precisio
     --out "$out/prompt_sharing"
 if [ "$device" = cuda ]; then
     step memory 90 "$py" benchmarks/memory_vs_plan.py --work "$work/memory" \
-        --out "$out/memory_vs_plan" --cases qwen2.5-0.5b/full-bf16-mixed qwen2.5-0.5b/lora
+        --out "$out/memory_vs_plan" --cases qwen2.5-0.5b/full-bf16-mixed \
+        qwen2.5-0.5b/lora-bf16-mixed
     if has bitsandbytes; then
         step memory_bnb 90 "$py" benchmarks/memory_vs_plan.py --work "$work/memory" \
-            --out "$out/memory_vs_plan" --cases qwen2.5-0.5b/full-adamw8bit qwen2.5-0.5b/qlora
+            --out "$out/memory_vs_plan" --cases qwen2.5-0.5b/full-adamw8bit \
+            qwen2.5-0.5b/qlora-bf16-mixed
     fi
 else  # a 0.5 B model's two steps take minutes on a CPU: the table alone, from the CPU results
     cp benchmarks/results/memory_vs_plan.json "$work/memory_vs_plan.json"
     step memory 60 "$py" benchmarks/memory_vs_plan.py --report --out "$work/memory_vs_plan"
 fi
+if [ "$device" = cuda ]; then  # two `mogrpo train` processes of ~30 s each on the H200
+    step smoke 90 "$py" benchmarks/gpu_smoke.py --engines native hf --steps 6 \
+        --work "$work/gpu-smoke" --out "$out/gpu_smoke.json"
+fi
 sizes="$big small"
 [ "$big" = small ] && sizes=small
 if has trl; then
-    step vs_trl_fp32 "$(( $(left) > 60 ? $(left) - 30 : 60 ))" "$py" benchmarks/vs_trl/run.py \
+    step vs_trl_fp32 "$(( $(left) > 60 ? $(left) - 10 : 60 ))" "$py" benchmarks/vs_trl/run.py \
         --device "$device" --sizes $sizes --modes full lora --repeats 2 --steps 8 \
         --work "$work/vs-trl" --out "$out/vs_trl_gpu"
-fi
-if [ "$device" = cuda ]; then
-    step smoke 25 "$py" benchmarks/gpu_smoke.py --engines native hf --steps 6 \
-        --work "$work/gpu-smoke" --out "$out/gpu_smoke.json"
 fi
 echo "gpu_check: done in $(( SECONDS - start )) s; results in $out"

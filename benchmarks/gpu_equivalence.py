@@ -19,6 +19,9 @@ random models with grouped-query attention and spread-out logits, as in the unit
   row so that rows leaving move the decode through several captured graphs: fp32 greedy
   completions equal and log-probs within 1e-5, sampled completions (top-k, top-p, penalties)
   equal from one seed; no capture may fail. bf16: token agreement and log-prob gap, reported.
+  bf16-mixed (float32 weights under bf16 autocast, as `mogrpo train` decodes on a GPU: the
+  graphs read autocast's cached bf16 copies): no capture may fail and no replay may differ
+  from its eager step; completions and log-prob gap against the eager decode, reported.
 
 On a CUDA device the native engine runs the graphed decode by default, so the checks against
 `generate()` above check it too.
@@ -178,9 +181,21 @@ def graphs(on: bool, runners: list):
         yield
 
 
-def graph_check(family: str, tok, device: str, dtype: torch.dtype) -> dict:
-    """The graphed native decode against the eager one (see the module docstring)."""
+def graph_check(family: str, tok, device: str, dtype: torch.dtype,
+                autocast: torch.dtype | None = None) -> dict:
+    """The graphed native decode against the eager one (see the module docstring); `autocast`:
+    both under autocast to that dtype (mixed precision: float32 weights, the capture reading
+    autocast's cached copies). Each check starts with the graphs on: a replay that differed (or
+    a capture that failed) turns them off for the process, which would fail every later check
+    for no fault of its own."""
+    graph_step.DISTRUSTED = graph_step.UNCAPTURABLE = None
     model = family_model(family, tok, device, dtype)
+    with (torch.autocast(device, dtype=autocast) if autocast is not None
+          else contextlib.nullcontext()):
+        return _graph_check(model, tok)
+
+
+def _graph_check(model, tok) -> dict:
     runners: list = []
     with graphs(False, runners):
         first = rollout(model, tok, "native", k=4, greedy=True, max_new_tokens=10)
@@ -214,6 +229,7 @@ def graph_check(family: str, tok, device: str, dtype: torch.dtype) -> dict:
         "rows_finish_apart": len(set(eager.lengths.tolist())) > 1,
         "captured": [r.captured for r in runners],
         "capture_failed": next((r.failed for r in runners if r.failed), None),
+        "graphs_turned_off": graph_step.DISTRUSTED or graph_step.UNCAPTURABLE,
     }
 
 
@@ -228,6 +244,8 @@ def graph_failures(family: str, check: dict) -> list[str]:
     if check["capture_failed"] or not any(len(c) > 1 for c in check["captured"]):
         failures.append(f"{family} graphed: captured {check['captured']}, "
                         f"failed: {check['capture_failed']}")
+    if check["graphs_turned_off"]:
+        failures.append(f"{family} graphed: turned off ({check['graphs_turned_off']})")
     return failures
 
 
@@ -263,8 +281,14 @@ def main() -> int:
     for family in FAMILIES:
         graphed = report["graphed"][family] = {
             "fp32": graph_check(family, tok, args.device, torch.float32),
-            "bf16": graph_check(family, tok, args.device, torch.bfloat16)}
+            "bf16": graph_check(family, tok, args.device, torch.bfloat16),
+            "bf16-mixed": graph_check(family, tok, args.device, torch.float32,
+                                      autocast=torch.bfloat16)}
         failures += graph_failures(family, graphed["fp32"])
+        mixed = graphed["bf16-mixed"]
+        if mixed["capture_failed"] or mixed["graphs_turned_off"]:
+            failures.append(f"{family} graphed under bf16 autocast: failed "
+                            f"{mixed['capture_failed']}, off {mixed['graphs_turned_off']}")
         print(f"{family} graphed: {graphed}", flush=True)
     dist = report["distribution"] = distribution_check(tok, args.device)
     if dist["tokens_used"] != 8 or not dist["chi2"] < CHI2_LIMIT:
@@ -290,13 +314,15 @@ def main() -> int:
     lines += [f"Graphed native decode ({how}, buckets down to 1 row) against the eager native "
               "decode:", "",
               "| family | fp32 greedy, sampled equal | fp32 log-prob gap | buckets captured "
-              "(greedy decode) | bf16 token agreement | bf16 log-prob gap |",
-              "|---|---|---|---|---|---|"]
+              "(greedy decode) | bf16 token agreement | bf16 log-prob gap "
+              "| bf16-mixed greedy, sampled equal | bf16-mixed log-prob gap |",
+              "|---|---|---|---|---|---|---|---|"]
     for family, g in report["graphed"].items():
-        f, b = g["fp32"], g["bf16"]
+        f, b, m = g["fp32"], g["bf16"], g["bf16-mixed"]
         lines.append(f"| {family} | {f['greedy_equal']}, {f['sampled_equal']} "
                      f"| {f['logp_max_gap']:.1e} | {f['captured'][0] if f['captured'] else '-'} "
-                     f"| {b['token_agreement']:.1%} | {b['logp_max_gap']:.1e} |")
+                     f"| {b['token_agreement']:.1%} | {b['logp_max_gap']:.1e} "
+                     f"| {m['greedy_equal']}, {m['sampled_equal']} | {m['logp_max_gap']:.1e} |")
     lines.append("")
     lines.append("Failures: " + ("; ".join(failures) if failures else "none"))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")

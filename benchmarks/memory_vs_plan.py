@@ -55,18 +55,21 @@ CASES = {  # name: model config, LoRA, gradient checkpointing, model.precision
     "qwen2.5-0.5b/full-bf16-mixed": ("qwen2.5-0.5b", False, False, "bf16-mixed"),
     "qwen2.5-0.5b/full-adamw8bit": ("qwen2.5-0.5b", False, False, "fp32"),
     "qwen2.5-0.5b/lora": ("qwen2.5-0.5b", True, False, "fp32"),
+    "qwen2.5-0.5b/lora-bf16-mixed": ("qwen2.5-0.5b", True, False, "bf16-mixed"),
     "qwen2.5-0.5b/lora+ckpt": ("qwen2.5-0.5b", True, True, "fp32"),
     "llama-3.2-1b/lora": ("llama-3.2-1b", True, False, "fp32"),
     "llama-3.2-1b/lora+ckpt": ("llama-3.2-1b", True, True, "fp32"),
     "qwen2.5-1.5b/lora": ("qwen2.5-1.5b", True, False, "fp32"),
     "qwen2.5-1.5b/lora+ckpt": ("qwen2.5-1.5b", True, True, "fp32"),
     "qwen2.5-0.5b/qlora": ("qwen2.5-0.5b", True, False, "fp32"),
+    "qwen2.5-0.5b/qlora-bf16-mixed": ("qwen2.5-0.5b", True, False, "bf16-mixed"),
     "qwen2.5-0.5b/qlora+emb4": ("qwen2.5-0.5b", True, False, "fp32"),
     "qwen2.5-1.5b/qlora": ("qwen2.5-1.5b", True, False, "fp32"),
     "qwen2.5-1.5b/qlora+emb4": ("qwen2.5-1.5b", True, False, "fp32"),
 }
 BASES = {  # a configuration's kind (after the "/"): the model settings of its quantised base
     "qlora": {"load_in_4bit": True},
+    "qlora-bf16-mixed": {"load_in_4bit": True},
     "qlora+emb4": {"load_in_4bit": True, "embeddings_in_4bit": True},
 }
 OPTIMIZERS = {"full-adamw8bit": "adamw_8bit"}  # a kind's train.optimizer (else adamw)
@@ -128,9 +131,11 @@ def build(name: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _rss() -> int:
+def _rss(field: str = "VmRSS") -> int:
+    """This process's resident set (`VmHWM`: its high-water mark), in bytes."""
     status = Path("/proc/self/status").read_text()
-    return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
+    return int(next(x for x in status.splitlines() if x.startswith(field + ":")).split()[1]) \
+        * 1024
 
 
 def child(case: str, model_dir: str, work: str, measure: str) -> dict:
@@ -183,11 +188,14 @@ def child(case: str, model_dir: str, work: str, measure: str) -> dict:
     metrics = [json.loads(x) for x in (Path(work) / "run" / "metrics.jsonl").read_text()
                .splitlines()]
     steps = [m for m in metrics if "loss" in m]
-    rss_peak = max(m["memory/peak_gib"] for m in steps) * 2**30
+    # the steps' `memory/peak_gib` is the device's: RSS on a CPU, CUDA reserved memory on a GPU
+    step_peak = max(m["memory/peak_gib"] for m in steps) * 2**30
+    rss_peak = _rss("VmHWM") if cuda else step_peak  # on a GPU, the host's over the run
     return {"case": case, "device": "cuda" if cuda else "cpu",
             "measure": "max_memory_allocated" if cuda else measure,
             "measured": peak if peak is not None else rss_peak - fixed, "tensor_peak": peak,
             "rss_peak": rss_peak, "fixed": fixed, **base,
+            **({"cuda_reserved": step_peak} if cuda else {}),
             "steps": len(steps), "seconds": time.perf_counter() - start,
             "prompt_truncated": [m.get("rollout/prompt_truncated") for m in steps],
             "completion_length": [m.get("rollout/completion_length") for m in steps]}
@@ -253,7 +261,9 @@ def report(results: dict[str, dict], command: str) -> str:
             else "–"
         lines.append(
             f"| {case} | {params / 1e9:.3f} B | {total / gib:.2f} GiB | "
-            f"{r['measured'] / gib:.2f} GiB | {MEASURES[r['measure']]} | "
+            f"{r['measured'] / gib:.2f} GiB | {MEASURES[r['measure']]}"
+            + (f" (reserved {r['cuda_reserved'] / gib:.2f} GiB)" if "cuda_reserved" in r else "")
+            + " | "
             f"**{total / r['measured']:.2f}** | "
             f"{r['rss_peak'] / gib:.2f} GiB | {r['fixed'] / gib:.2f} GiB | "
             f"{(r['rss_peak'] - r['fixed']) / gib:.2f} GiB | "
@@ -310,7 +320,9 @@ GPU_NOTES = """
 On a GPU "measured" is `torch.cuda.max_memory_allocated()` over the whole run (the model's load
 and both steps): the most bytes PyTorch's tensors held at once. The plan beside it is the
 planner's total for device "cuda" less its 1 GiB term for the CUDA context and allocator slack,
-which that counter does not see; the RSS columns are the host process's.
+which that counter does not see; "reserved" is what the caching allocator held at most in the
+steps (`torch.cuda.max_memory_reserved`: the tensors and the blocks it keeps for reuse). The RSS
+columns are the host process's (its high-water mark over the run).
 """
 
 

@@ -38,7 +38,7 @@ def test_the_memory_cases_the_check_names_exist():
         sys.path.remove(str(ROOT / "benchmarks"))
     named = [case for match in re.finditer(r"--cases ([^\n;|&]*)", _joined("gpu_check.sh"))
              for case in match.group(1).split()]
-    assert "qwen2.5-0.5b/full-adamw8bit" in named and "qwen2.5-0.5b/qlora" in named
+    assert "qwen2.5-0.5b/full-adamw8bit" in named and "qwen2.5-0.5b/qlora-bf16-mixed" in named
     assert set(named) <= set(memory_vs_plan.CASES), set(named) - set(memory_vs_plan.CASES)
 
 

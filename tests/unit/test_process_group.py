@@ -43,6 +43,17 @@ def test_a_run_joins_with_gloo_on_cpu_and_leaves_after_a_barrier(calls):
     assert log == [("init", "gloo"), ("barrier",), ("destroy",), ("sleep", distributed.DRAIN_S)]
 
 
+def test_on_gpus_host_tensors_have_a_backend_too(calls, monkeypatch):
+    """NCCL alone takes only CUDA tensors; the run's own sums are host scalars."""
+    log, _ = calls
+    devices = []
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(distributed.torch.cuda, "set_device", devices.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with distributed.process_group("cuda"):
+        assert log == [("init", "cpu:gloo,cuda:nccl")] and devices == [1]
+
+
 def test_after_an_error_the_group_is_left_to_the_process_exit(calls):
     log, state = calls
     with pytest.raises(RuntimeError, match="reward failed"), distributed.process_group("cpu"):

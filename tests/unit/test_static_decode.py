@@ -27,6 +27,14 @@ K = 2  # 12 rows: buckets 12, 8, 4, 2, 1 with the smallest at 1
 PAD = -1  # after a row's stop: no token id
 
 
+@pytest.fixture(autouse=True)
+def _graphs_trusted(monkeypatch):
+    """Each test starts in a process whose graphs were never turned off (a failed capture or
+    a replay that differed turns them off for the process)."""
+    monkeypatch.setattr(graph_step, "DISTRUSTED", None)
+    monkeypatch.setattr(graph_step, "UNCAPTURABLE", None)
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -292,6 +300,107 @@ def test_a_failed_capture_says_so_once(caplog):
             assert runner(bucket).tolist() == [1.0]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "capture failed" in lines[0] and "eagerly" in lines[0]
+
+
+def test_a_failed_capture_turns_the_graphs_off_for_the_process(monkeypatch):
+    """A step that cannot be captured fails again at every rollout, and each failed capture
+    keeps its memory pool: the next rollouts run the eager step without trying."""
+    monkeypatch.delenv(graph_step.ENV, raising=False)
+    tried = []
+
+    def failing(step, pool):
+        tried.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graph_step.GraphedStep(lambda: torch.ones(1), capture=failing)(8)
+    assert kernels.graph_runner(torch.device("cuda")) is None
+    assert kernels.describe()["decode_graph"] == (
+        "eager (the step could not be captured: operation not permitted when stream is "
+        "capturing)")
+    later = graph_step.GraphedStep(lambda: torch.ones(1), capture=failing)
+    assert later(8).tolist() == [1.0] and later(4).tolist() == [1.0]
+    assert len(tried) == 1
+
+
+def test_out_of_memory_in_a_capture_reaches_the_trainer(monkeypatch):
+    """Not a failure to capture: `memory.on_oom` halves the batch and the graphs stay on."""
+    monkeypatch.delenv(graph_step.ENV, raising=False)
+
+    def oom(step, pool):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        graph_step.GraphedStep(lambda: torch.ones(1), capture=oom)(8)
+    assert kernels.graph_runner(torch.device("cuda")) is graph_step.GraphedStep
+
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, other):
+        pass
+
+
+class _FakeCuda:
+    """The torch.cuda calls `graph_step.capture` makes, as torch 2.11-2.13 behave: the graph
+    context enters its capture stream and, on leaving, ends the capture first, which raises
+    for a broken capture before the stream is restored."""
+
+    def __init__(self):
+        self.current = _Stream("default")
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Switch:  # torch.cuda.stream(s)
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                self.before, fake.current = fake.current, self.stream
+
+            def __exit__(self, *exc):
+                fake.current = self.before
+
+        class Graph:  # torch.cuda.graph(g, pool=..., capture_error_mode=...)
+            def __init__(self, graph, pool=None, capture_error_mode="global"):
+                pass
+
+            def __enter__(self):
+                fake.current = _Stream("capture")
+
+            def __exit__(self, *exc):
+                raise RuntimeError("CUDA error: operation failed due to a previous error "
+                                   "during capture")
+
+        def set_stream(stream):
+            fake.current = stream
+
+        for name, value in (("Stream", lambda: _Stream("side")), ("stream", Switch),
+                            ("graph", Graph), ("CUDAGraph", object),
+                            ("current_stream", lambda: fake.current),
+                            ("set_stream", set_stream)):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_a_failed_capture_puts_the_thread_back_on_its_stream(monkeypatch):
+    """Else the training after the rollout would run on the capture's side stream."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    default = fake.current
+    seen = []
+
+    def step():
+        seen.append(fake.current.name)
+        if fake.current.name == "capture":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.ones(1)
+
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        graph_step.capture(step, None)
+    assert seen == ["side"] * graph_step.WARMUP_STEPS + ["capture"]
+    assert fake.current is default
 
 
 def test_a_replay_that_differs_from_the_eager_step_turns_the_graphs_off(monkeypatch, caplog):

@@ -136,7 +136,9 @@ def restore_rng(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None
     name, keys, pos, has_gauss, cached = saved["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+    # by device number: "cuda10" after "cuda9", not after "cuda1"
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda")),
+                                       key=lambda k: int(k[4:]))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
 

@@ -123,6 +123,14 @@ def weights_checksum(model: torch.nn.Module) -> float:
 DRAIN_S = 0.5  # how long gloo's worker threads get the GIL after the last collective
 
 
+def backend(cuda: bool) -> str:
+    """The process group's backends: gloo on CPUs; on GPUs NCCL for CUDA tensors and gloo for
+    host ones. A run's own numbers (`Dist.sum`: loss normalisers, `Dist.max`) are host scalars,
+    and FSDP2 with `cpu_offload` reduces host-resident gradients (its clipping norm): NCCL
+    alone takes only CUDA tensors ("No backend type associated with device type cpu")."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 @contextmanager
 def process_group(device: str) -> Iterator[Dist]:
     """The process group torchrun describes, held for the length of a run (a single process
@@ -137,11 +145,11 @@ def process_group(device: str) -> Iterator[Dist]:
     finished. After an error the group is not destroyed (destroying may wait for a peer that
     failed); the process exits and torchrun stops the others."""
     joining = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if joining:  # gloo on CPU, nccl on CUDA with one GPU per process (LOCAL_RANK)
+    if joining:
         cuda = device != "cpu" and torch.cuda.is_available()
-        if cuda:
+        if cuda:  # one GPU per process (LOCAL_RANK)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(backend(cuda))
     yield Dist.current()
     if joining and dist.is_initialized():
         dist.barrier()

@@ -15,13 +15,15 @@ At run time each bucket's first step runs eagerly too, and the graph's first rep
 the same logits: a replay that differs turns the graphs off for the rest of the process, with
 one warning (a wrong graph would sample from another distribution without a sound). A step that
 cannot be captured (an operation that waits for the host, say, in a model's own module) runs
-eagerly, with one log line. `MOGRPO_DECODE_GRAPH=0` turns the graphs off: the native engine's
-eager step runs.
+eagerly, with one log line, and so do the rest of the process's decodes: a capture that fails
+would fail again at every rollout, and each failed capture keeps its memory pool. An
+out-of-memory error during a capture is not such a failure: it reaches the trainer, which
+halves the batch (`memory.on_oom`). `MOGRPO_DECODE_GRAPH=0` turns the graphs off: the native
+engine's eager step runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -36,13 +38,14 @@ ENV = "MOGRPO_DECODE_GRAPH"  # "0", "off", "false" or "no": the eager step, no g
 # initialisation (cuBLAS workspaces for that stream, kernel choices) must not be captured
 WARMUP_STEPS = 2
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch < 2.5: cuda's
 Capture = Callable[[Callable[[], Tensor], object], tuple[Callable[[], object], Tensor, object]]
 
 
 def disabled() -> bool:
     """Whether MOGRPO_DECODE_GRAPH switches the graphs off, or a replay that differed from the
-    eager step did (`distrust`)."""
-    return DISTRUSTED is not None or \
+    eager step did (`distrust`), or a capture failed (`UNCAPTURABLE`)."""
+    return DISTRUSTED is not None or UNCAPTURABLE is not None or \
         os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
 
 
@@ -50,6 +53,8 @@ def status() -> str:
     """Which decode step a CUDA rollout runs, for `mogrpo doctor env`."""
     if DISTRUSTED is not None:
         return f"eager ({DISTRUSTED})"
+    if UNCAPTURABLE is not None:
+        return f"eager (the step could not be captured: {UNCAPTURABLE})"
     if disabled():
         return f"eager ({ENV}={os.environ[ENV]})"
     return "CUDA graphs, one per bucket of rows (captured at a rollout's first steps)"
@@ -68,14 +73,22 @@ def capture(step: Callable[[], Tensor], pool: object) -> tuple[Callable[[], obje
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # autocast's cache of cast weights lives only as long as its context: a graph must not
-    # keep the addresses of copies made inside the capture and freed after it
-    uncached = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                              cache_enabled=False) \
-        if torch.is_autocast_enabled("cuda") else contextlib.nullcontext()
-    # thread_local: another thread's CUDA calls (a server's, a judge's) do not break the capture
-    with uncached, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = step()
+    # Under mixed precision the capture reads the bf16 copies of the float32 weights from
+    # autocast's cache, which the bucket's eager first step (`GraphedStep._first`) filled: the
+    # graph then reads 2 bytes a weight each step, where a capture without the cache would
+    # replay every cast (read 4, write 2, read 2). The cache lives as long as the caller's
+    # autocast context, which holds the whole decode, and the graphs are the decode's only.
+    # a capture that fails may leave this thread on the capture's stream (`torch.cuda.graph`
+    # ends the capture before it restores the stream, and ending a broken capture raises): the
+    # training that follows would run on a side stream
+    previous = torch.cuda.current_stream()
+    try:
+        # thread_local: another thread's CUDA calls (a server's, a judge's) do not break it
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = step()
+    except BaseException:
+        torch.cuda.set_stream(previous)
+        raise
     return graph.replay, out, graph.pool()
 
 
@@ -97,7 +110,7 @@ class GraphedStep:
         return list(self.graphs)
 
     def __call__(self, bucket: int) -> Tensor:
-        if self.failed is not None or DISTRUSTED:
+        if self.failed is not None or DISTRUSTED or UNCAPTURABLE:
             return self.step()
         found = self.graphs.get(bucket)
         if found is None:
@@ -113,9 +126,10 @@ class GraphedStep:
         try:
             replay, out, self.pool = self.capture(self.step, self.pool)
         except RuntimeError as err:
+            if isinstance(err, _OOM):
+                raise  # the trainer's to handle: a smaller batch, not the eager step
             self.failed = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-            logger.warning("the decode step could not be captured as a CUDA graph (%s): "
-                           "it runs eagerly for the rest of this rollout", self.failed)
+            uncapturable(self.failed)
             return expected
         replay()  # a capture runs nothing: the first step of a bucket is a replay too
         wrong = disagreement(out, expected)
@@ -129,6 +143,16 @@ class GraphedStep:
 
 DISTRUSTED: str | None = None
 """Why this process stopped replaying graphs (a replay that differed from the eager step)."""
+UNCAPTURABLE: str | None = None
+"""Why this process stopped capturing graphs (the first line of a capture's error)."""
+
+
+def uncapturable(reason: str) -> None:
+    """Capture no more graphs in this process, with one warning."""
+    global UNCAPTURABLE
+    UNCAPTURABLE = reason
+    logger.warning("the decode step could not be captured as a CUDA graph (%s): it runs "
+                   "eagerly for the rest of this process", reason)
 
 
 def distrust(reason: str) -> None:
