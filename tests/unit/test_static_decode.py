@@ -343,14 +343,13 @@ class _Stream:
 
 
 class _FakeCuda:
-    """The torch.cuda calls `graph_step.capture` makes, as torch 2.11-2.13 behave: the graph
-    context enters its capture stream and, on leaving, ends the capture first, which raises
-    for a broken capture before the stream is restored."""
+    """The torch.cuda calls `graph_step.capture` makes, recorded: streams switched and
+    restored, a CUDAGraph whose capture_end raises when the captured step failed (as a broken
+    capture's does), and the allocator's cache emptied or not."""
 
-    def __init__(self):
+    def __init__(self, monkeypatch):
         self.current = _Stream("default")
-
-    def install(self, monkeypatch):
+        self.calls: list = []
         fake = self
 
         class Switch:  # torch.cuda.stream(s)
@@ -363,43 +362,61 @@ class _FakeCuda:
             def __exit__(self, *exc):
                 fake.current = self.before
 
-        class Graph:  # torch.cuda.graph(g, pool=..., capture_error_mode=...)
-            def __init__(self, graph, pool=None, capture_error_mode="global"):
+        class Graph:  # torch.cuda.CUDAGraph()
+            broken = False
+
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                fake.calls.append(("capture_begin", pool, capture_error_mode, fake.current.name))
+
+            def capture_end(self):
+                fake.calls.append(("capture_end",))
+                if Graph.broken:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error "
+                                       "during capture")
+
+            def replay(self):
                 pass
 
-            def __enter__(self):
-                fake.current = _Stream("capture")
+            def pool(self):
+                return "pool"
 
-            def __exit__(self, *exc):
-                raise RuntimeError("CUDA error: operation failed due to a previous error "
-                                   "during capture")
-
-        def set_stream(stream):
-            fake.current = stream
-
+        self.Graph = Graph
         for name, value in (("Stream", lambda: _Stream("side")), ("stream", Switch),
-                            ("graph", Graph), ("CUDAGraph", object),
-                            ("current_stream", lambda: fake.current),
-                            ("set_stream", set_stream)):
+                            ("CUDAGraph", Graph), ("current_stream", lambda: fake.current),
+                            ("synchronize", lambda: fake.calls.append(("synchronize",))),
+                            ("empty_cache", lambda: fake.calls.append(("empty_cache",)))):
             monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_a_capture_keeps_the_allocators_cache_and_the_threads_stream(monkeypatch):
+    """torch.cuda.graph would empty the cache at every capture (each bucket of each rollout:
+    the update after it then allocates from the driver again)."""
+    fake = _FakeCuda(monkeypatch)
+    default = fake.current
+    replay, out, pool = graph_step.capture(lambda: torch.ones(2), "shared pool")
+    assert out.tolist() == [1.0, 1.0] and pool == "pool"
+    assert fake.calls == [("synchronize",), ("capture_begin", "shared pool", "thread_local",
+                                             "side"), ("capture_end",)]
+    assert fake.current is default
 
 
 def test_a_failed_capture_puts_the_thread_back_on_its_stream(monkeypatch):
     """Else the training after the rollout would run on the capture's side stream."""
-    fake = _FakeCuda()
-    fake.install(monkeypatch)
+    fake = _FakeCuda(monkeypatch)
+    fake.Graph.broken = True
     default = fake.current
     seen = []
 
     def step():
         seen.append(fake.current.name)
-        if fake.current.name == "capture":
+        if any(c[0] == "capture_begin" for c in fake.calls):
             raise RuntimeError("operation not permitted when stream is capturing")
         return torch.ones(1)
 
     with pytest.raises(RuntimeError, match="previous error during capture"):
         graph_step.capture(step, None)
-    assert seen == ["side"] * graph_step.WARMUP_STEPS + ["capture"]
+    assert seen == ["side"] * (graph_step.WARMUP_STEPS + 1)
+    assert fake.calls[-1] == ("capture_end",)
     assert fake.current is default
 
 

@@ -78,17 +78,19 @@ def capture(step: Callable[[], Tensor], pool: object) -> tuple[Callable[[], obje
     # graph then reads 2 bytes a weight each step, where a capture without the cache would
     # replay every cast (read 4, write 2, read 2). The cache lives as long as the caller's
     # autocast context, which holds the whole decode, and the graphs are the decode's only.
-    # a capture that fails may leave this thread on the capture's stream (`torch.cuda.graph`
-    # ends the capture before it restores the stream, and ending a broken capture raises): the
-    # training that follows would run on a side stream
-    previous = torch.cuda.current_stream()
-    try:
+    #
+    # Not `torch.cuda.graph(...)`: it empties the allocator's cache before every capture (each
+    # bucket of each rollout, and the update after the rollout then takes its memory from the
+    # driver again), and when ending a broken capture raises it leaves the thread on the
+    # capture's stream, so that the training after it would run there.
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
         # thread_local: another thread's CUDA calls (a server's, a judge's) do not break it
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
             out = step()
-    except BaseException:
-        torch.cuda.set_stream(previous)
-        raise
+        finally:
+            graph.capture_end()
     return graph.replay, out, graph.pool()
 
 
