@@ -161,3 +161,34 @@ def test_an_oom_at_micro_batch_1_stops_the_run(tiny_model, tmp_path, monkeypatch
     assert main(["train", str(config)]) == ExitCode.FOUND_PROBLEM
     err = capsys.readouterr().err
     assert "(train.micro_batch_size 1)" in err and "nothing is left to halve" in err
+
+
+def test_an_oom_in_the_optimizer_step_is_not_redone(tiny_model, tmp_path, monkeypatch, capsys):
+    """AdamW makes its states at the first step and steps tensor after tensor: an error inside
+    may leave part of the update applied, which a redo would apply again. A smaller batch would
+    not shrink the states either: the run stops and says what would."""
+    fail_on_call(torch.optim.AdamW, "step", monkeypatch, {1}, after=True)
+    config = write_config(tmp_path, tiny_model, "run")
+    assert main(["train", str(config)]) == ExitCode.FOUND_PROBLEM
+    err = capsys.readouterr().err
+    assert "out of memory in the update of step 1 (train.micro_batch_size 4)" in err
+    assert "the optimizer's own step ran out of memory" in err and "adamw_8bit" in err
+    assert oom_events(tmp_path / "run") == []
+
+
+def test_fp16_loss_scaling_survives_a_redone_step(tiny_model, tmp_path, monkeypatch, capsys):
+    """fp16-mixed unscales the gradients once a step, before clipping; an error between that
+    and the scaler's update (in clipping) once left the scaler refusing the redo's unscale
+    ("unscale_() has already been called on this optimizer since the last update()")."""
+    fail_on_call(ParallelPolicy, "clip_grad_norm", monkeypatch, {1})
+    config = write_config(tmp_path, tiny_model, "run")
+    data = yaml.safe_load(config.read_text())
+    data["model"]["precision"] = "fp16-mixed"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["train", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "[OOM@step 1] update: micro_batch_size 4 → 2 (memory.on_oom: adapt)" in err
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+             .splitlines() if '"loss"' in x]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["policy/loss_scale"] > 0 for m in steps)

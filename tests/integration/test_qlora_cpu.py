@@ -107,3 +107,20 @@ def test_qlora_under_bf16_mixed_with_the_head_in_chunks(tmp_path, tiny_model, mo
     steps = [m for m in steps if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["policy/grad_norm"] > 0 for m in steps)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantised_base_starts_at_kl_zero(tmp_path, tiny_model, bits):
+    """The rollout and the reference pass (eval mode, no gradients) and the update (train mode)
+    take one bitsandbytes kernel: at the first step the adapters are zero, so the policy is its
+    reference. On a CPU LLM.int8() once multiplied in int8 in eval mode and in floating point
+    in train mode (KL ~1e-6 at step 1, ratios off 1)."""
+    path = _two_steps(tmp_path, tiny_model, {f"load_in_{bits}bit": True},
+                      lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=1e-2)
+    assert main(["train", str(path)]) == 0
+    first = next(json.loads(line) for line in
+                 (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                 if '"loss"' in line)
+    assert first["step"] == 1
+    assert first["kl"] == 0.0
+    assert first["task/fairness/kl"] == 0.0 and first["task/hallucination/kl"] == 0.0

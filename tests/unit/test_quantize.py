@@ -108,3 +108,17 @@ def test_is_quantized_reads_what_transformers_sets(bf16_model):
     assert not is_quantized(bf16_model)
     bf16_model.is_loaded_in_8bit = True
     assert is_quantized(bf16_model)
+
+
+def test_nf4_layers_are_never_repacked_for_cpu_inference():
+    """On a CPU with AVX512-BF16 bitsandbytes repacks an NF4 weight in place at its first
+    eval-mode forward without gradients (a rollout), and every later pass, the update's
+    included, would take the inference kernel: other roundings than the reference's pass,
+    and a product made for inference under the training forward."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from mogrpo.modeling.quantize import one_kernel
+
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(16, 8), torch.nn.Linear(8, 8))
+    model[0].support_avx512bf16_for_cpu = True  # as on such a CPU
+    assert one_kernel(model) == 1
+    assert model[0].support_avx512bf16_for_cpu is False

@@ -60,14 +60,64 @@ def quantization_config(bits: int, compute_dtype: torch.dtype) -> Any:
 def prepare_quantized(model: nn.Module, *, upcast: bool) -> list[str]:
     """Freeze every weight of a quantised `model` (LoRA trains on top) and, with `upcast`,
     cast its 16-bit 1-D weights (norms, biases) to float32 (see the module docstring); the
-    embedding, head and quantised weights keep their dtypes. Returns the cast names."""
+    embedding, head and quantised weights keep their dtypes. Its bitsandbytes layers then take
+    one kernel in every pass (`one_kernel`). Returns the cast names."""
     cast = []
     for name, param in model.named_parameters():
         param.requires_grad = False
         if upcast and param.dim() == 1 and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.to(torch.float32)
             cast.append(name)
+    one_kernel(model)
     return cast
+
+
+def one_kernel(model: nn.Module) -> int:
+    """Make every bitsandbytes layer of `model` compute alike in every pass — the rollout and
+    the reference and old log-prob passes (eval mode, no gradients) as the update (train mode):
+    the KL is then exactly 0 and every ratio 1 while the adapters are zero, as over a 16-bit
+    base. On a CPU bitsandbytes (0.50) picks its kernel by mode otherwise:
+
+    - LLM.int8() (`Linear8bitLt`): in train mode it dequantises and multiplies in floating
+      point, in eval mode it multiplies in int8 (2e-3 apart in log-prob on a tiny model). The
+      train-mode product is kept in every pass on CPU tensors (where the choice is made; on a
+      GPU both modes take one path).
+    - NF4 (`Linear4bit`) on a CPU with AVX512-BF16 (Intel Sapphire Rapids and later): the first
+      eval-mode forward without gradients repacks the weight in place into a CPU inference
+      layout, whose kernel every later pass then takes, the update's included. Not repacked.
+
+    Returns the layers changed."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+        elif isinstance(module, bnb.nn.Linear8bitLt) and "forward" not in vars(module):
+            module.forward = _TrainModeOnCpu(module, type(module).forward)
+            changed += 1
+    return changed
+
+
+class _TrainModeOnCpu:
+    """A `Linear8bitLt`'s forward in train mode for CPU inputs (see `one_kernel`); an object,
+    not a closure, so that a model holding it still deep-copies and pickles."""
+
+    def __init__(self, module: nn.Module, forward: Any) -> None:
+        self.module, self.forward = module, forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        if x.device.type != "cpu" or module.training:
+            return self.forward(module, x)
+        module.training = True
+        try:
+            return self.forward(module, x)
+        finally:
+            module.training = False
 
 
 def is_quantized(model: nn.Module) -> bool:

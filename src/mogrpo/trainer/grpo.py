@@ -96,8 +96,18 @@ class GRPOTrainer(UpdatePhases):
         )
         self.rollbacks: list[dict[str, Any]] = []
         self.oom = OomGuard(self.config, self.dist.world_size, ctx.device,
-                            release=lambda: self.optimizer.zero_grad(set_to_none=True))
+                            release=self._release_step)
         """The batch sizes in use, halved after an out-of-memory error (`memory.on_oom`)."""
+
+    def _release_step(self) -> None:
+        """What a step redone after an out-of-memory error must not find: its gradients, and
+        (fp16-mixed) a loss scaler that already unscaled them (`unscale_` once per step; the
+        error came between it and the scaler's `update`). The scale itself is kept."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            state = self.scaler.state_dict()
+            self.scaler = self.ctx.precision.grad_scaler()
+            self.scaler.load_state_dict(state)
 
     # ------------------------------------------------------------------ phases
 

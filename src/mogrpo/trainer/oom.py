@@ -18,7 +18,10 @@ access leaves the device unusable, and redoing the step would hide a bug.
 
 Not redone, with an `OutOfMemory` error naming what to lower: `memory.on_oom: fail`; a size
 already at 1; several processes (the others wait in collectives for the one that failed);
-an error after the optimizer stepped in this step (μ > 1: redoing would step twice).
+an error after the optimizer stepped in this step (μ > 1: redoing would step twice); an error
+inside the optimizer's step (part of the update may be applied, and a smaller batch does not
+shrink its states). Before a redo the step's gradients are freed and fp16-mixed's loss scaler
+forgets that it unscaled them (its scale is kept).
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class OomGuard:
         """Those not yet written to metrics.jsonl (`take_events`)."""
         self.stepped = False
         """Set by the update once the optimizer stepped in the current unit."""
+        self.in_optimizer = False
+        """Set by the update as the optimizer's step starts (an error inside it is not redone:
+        part of the update may be applied, the states of some tensors made)."""
         self._world_size, self._device, self._release = world_size, device, release
 
     @property
@@ -85,7 +91,7 @@ class OomGuard:
         same RNG state."""
         saved = rng_state()
         while True:
-            self.stepped = False
+            self.stepped = self.in_optimizer = False
             phase = ""
             try:
                 result = None
@@ -119,6 +125,13 @@ class OomGuard:
         elif self._world_size > 1:
             reason = (f"with {self._world_size} processes one process's error cannot be redone "
                       f"alone (the others wait in collectives); lower {key} and resume")
+        elif self.in_optimizer and not self.stepped:
+            reason = ("the optimizer's own step ran out of memory (its states are made at the "
+                      "first step; a smaller batch does not shrink them), and part of the update "
+                      "may be applied already, so it is not redone; lower the optimizer's memory "
+                      "(train.optimizer: adamw_8bit or paged_adamw_8bit, LoRA, "
+                      "distributed.cpu_offload with fsdp; `mogrpo memory CONFIG` plans it) and "
+                      "resume from the last checkpoint")
         elif self.stepped:
             reason = ("the optimizer already stepped in this step (algorithm.num_iterations > "
                       f"1), so redoing it would step twice; resume from the last checkpoint with "

@@ -177,6 +177,9 @@ class UpdatePhases:
         self.scaler.unscale_(self.optimizer)  # fp16: the true gradients, before clipping
         grad_norm = self.parallel.clip_grad_norm(params, self.config.train.max_grad_norm)
         if torch.isfinite(grad_norm):
+            # an out-of-memory error inside the optimizer's step (its states are allocated at
+            # the first) may leave part of the update applied: from here it is not redone
+            self.oom.in_optimizer = True
             # How far the weights moved (0 = nothing is learned), a chunk of weights at a
             # time (`step_with_update_norms`): for adapters and small models only, where the
             # extra optimizer calls cost nothing that counts.
