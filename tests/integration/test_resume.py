@@ -376,3 +376,33 @@ def test_adafactor_run_resumes_bit_identically(tmp_path, tiny_model):
     state = torch.load(next((tmp_path / "cut" / "checkpoints").glob("step-*")) / "optimizer.pt",
                        weights_only=True)["state"]
     assert any("exp_avg_sq_row" in s for s in state.values())  # Adafactor's, factored
+
+
+@pytest.mark.slow  # three runs, ~45 s
+def test_lora_on_a_4bit_base_with_the_sft_warm_up_resumes(tmp_path, tiny_model):
+    """Over a quantised base the warm-up adapter is not merged (no `sft/merged`: GRPO goes on
+    training it); a resume once looked for that model and stopped with "does not exist"."""
+    pytest.importorskip("bitsandbytes")
+    from packaging.version import Version
+
+    from mogrpo.config.hardware import BNB_CPU_MIN, bitsandbytes_version
+    if Version(bitsandbytes_version() or "0") < Version(BNB_CPU_MIN):
+        pytest.skip(f"bitsandbytes {bitsandbytes_version()} has no CPU kernels")
+
+    def qlora(name: str) -> Path:
+        path = write_config(tmp_path / f"{name}.yaml", tiny_model, tmp_path / name, 4)
+        data = yaml.safe_load(path.read_text())
+        data["model"]["load_in_4bit"] = True
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    assert train_in_subprocess(qlora("whole")) == 0
+    assert not (tmp_path / "whole" / "sft" / "merged").exists()
+    cut = qlora("cut")
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
+    a = load_file(tmp_path / "whole" / "final" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "final" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -194,7 +194,9 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
                              strategy_for(config.distributed, dist.world_size)
                              ) if resume else None
     sft_dir = main_dir / "sft" / "merged"
-    base = sft_dir if loaded and loaded.state["sft_done"] else None
+    # no merged SFT model over a quantised base (`restart_adapter`): the checkpoint's adapter
+    # holds the warm-up, on the configured base
+    base = sft_dir if loaded and loaded.state["sft_done"] and sft_dir.is_dir() else None
     ctx = build_context(config, tasks, base)
     apply_host_memory(config.train.host_memory, ctx.device.type)
     summary_memory = _memory_estimate(ctx, config)
