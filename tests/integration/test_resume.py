@@ -278,6 +278,26 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model, caps
         find_resume(tmp_path / "run", "auto")
 
 
+def test_a_run_killed_before_its_first_checkpoint_says_how_to_start_again(
+        tmp_path, tiny_model, whole_run, capsys):
+    """Neither command may send the user to the other: `--resume auto` and a plain start
+    both name `output.overwrite`, and the seeded restart repeats the whole run."""
+    cut = write_config(tmp_path / "cut.yaml", tiny_model, tmp_path / "cut", 4, **EVERY_STEP_EVAL)
+    # the first reward call of the hallucination task is in step 1; the first checkpoint is
+    # step 2's
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="1") == -9
+    assert not list((tmp_path / "cut").glob("checkpoints/step-*"))
+    assert main(["train", str(cut), "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run that stopped before its first checkpoint" in err
+    assert "--set output.overwrite=true" in err and "without --resume" in err
+    assert main(["train", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert "stopped before its first checkpoint" in err and "--resume auto" not in err
+    assert main(["train", str(cut), "--set", "output.overwrite=true"]) == 0
+    assert metric_lines(tmp_path / "cut") == metric_lines(whole_run)
+
+
 def test_trackers_continue_the_same_runs_after_a_kill(tmp_path, tiny_model, monkeypatch):
     from mlflow.tracking import MlflowClient
     from wandb_reader import history

@@ -188,8 +188,14 @@ def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_model, capsys):
     path = write_config(tmp_path, tiny_model, lora=True, sft={"enabled": False})
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main(["train", str(path)]) == 2  # no checkpoint: nothing to continue
+    err = capsys.readouterr().err
+    assert "stopped before its first checkpoint" in err and "output.overwrite" in err
+    (tmp_path / "run" / "checkpoints" / "step-0000002").mkdir(parents=True)
     assert main(["train", str(path)]) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume auto" in err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_a_full_run_without_prompt_sharing_starts_at_kl_zero_and_learns(tmp_path, tiny_model):

@@ -280,15 +280,31 @@ def find_resume(run_dir: Path, resume: str) -> Path:
                 + "; pick another with `mogrpo checkpoints RUN_DIR` or use --resume auto"
             )
         return path
-    for status in list_checkpoints(run_dir):
+    found = list_checkpoints(run_dir)
+    for status in found:
         if status.ok:
             return status.path
         log.warning("skipping checkpoint %s (%s): %s", status.path.name, status.status,
                     "; ".join(status.problems))
+    again = ("start it again from the beginning with `--set output.overwrite=true` (without "
+             "--resume; the run is seeded, so it repeats the steps that were lost)")
+    if not found and any((run_dir / name).exists() for name in STARTED):
+        raise CheckpointError(
+            f"--resume auto: {run_dir} holds a run that stopped before its first checkpoint "
+            f"(written every output.save_every steps); nothing to resume: {again}")
     raise CheckpointError(
-        f"--resume auto found no intact checkpoint in {run_dir / CHECKPOINTS}; start a new run "
-        "(without --resume) or give a checkpoint path"
+        f"--resume auto found no intact checkpoint in {run_dir / CHECKPOINTS}; {again}, or "
+        "give a checkpoint path"
     )
+
+
+STARTED = ("metrics.jsonl", "sft_metrics.jsonl")
+"""The files a run writes from its first SFT or GRPO step on."""
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether `run_dir` holds any checkpoint, intact or not."""
+    return bool(_step_dirs(run_dir))
 
 
 @dataclass

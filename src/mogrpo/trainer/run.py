@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mogrpo.checkpoint.store import CHECKPOINTS, load_weights, verify
+from mogrpo.checkpoint.store import CHECKPOINTS, has_checkpoints, load_weights, verify
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.config.hardware import quantized_field
 from mogrpo.config.machine import NO_CUDA
@@ -99,6 +99,13 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
             raise ConfigError(f"--resume: output.dir {run_dir} does not exist; nothing to resume")
         return run_dir
     if (run_dir / "metrics.jsonl").exists():
+        if not config.output.overwrite and not has_checkpoints(run_dir):
+            raise ConfigError(
+                f"output.dir {run_dir} holds a run that stopped before its first checkpoint "
+                "(metrics.jsonl, no checkpoints/): nothing to continue; start it again with "
+                "`--set output.overwrite=true` (or set output.overwrite: true), or choose "
+                "another output.dir"
+            )
         if not config.output.overwrite:
             raise ConfigError(
                 f"output.dir {run_dir} already holds a run (metrics.jsonl); continue it with "
