@@ -187,10 +187,17 @@ def test_user_mistake_is_an_error_line_not_a_traceback(tmp_path, tiny_model, cap
 def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_model, capsys):
     path = write_config(tmp_path, tiny_model, lora=True, sft={"enabled": False})
     (tmp_path / "run").mkdir()
+    # killed in the SFT warm-up: its lines would be written again after the old ones
+    (tmp_path / "run" / "sft_metrics.jsonl").write_text("{}\n")
+    assert main(["train", str(path)]) == 2
+    assert "stopped before its first checkpoint (sft_metrics.jsonl" in capsys.readouterr().err
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     assert main(["train", str(path)]) == 2  # no checkpoint: nothing to continue
     err = capsys.readouterr().err
     assert "stopped before its first checkpoint" in err and "output.overwrite" in err
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    assert main(["train", str(path)]) == 2
+    assert "already holds a finished run" in capsys.readouterr().err
     (tmp_path / "run" / "checkpoints" / "step-0000002").mkdir(parents=True)
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err

@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from mogrpo.checkpoint.store import CHECKPOINTS, has_checkpoints, load_weights, verify
+from mogrpo.checkpoint.store import (
+    CHECKPOINTS,
+    STARTED,
+    has_checkpoints,
+    load_weights,
+    verify,
+)
 from mogrpo.config import RunConfig, to_yaml
 from mogrpo.config.hardware import quantized_field
 from mogrpo.config.machine import NO_CUDA
@@ -98,17 +104,24 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
         if not run_dir.is_dir():
             raise ConfigError(f"--resume: output.dir {run_dir} does not exist; nothing to resume")
         return run_dir
-    if (run_dir / "metrics.jsonl").exists():
+    started = [name for name in STARTED if (run_dir / name).exists()]
+    if started:  # a run's metrics (a kill in the SFT warm-up leaves only sft_metrics.jsonl)
+        finished = (run_dir / "summary.json").exists()
+        if not config.output.overwrite and not has_checkpoints(run_dir) and finished:
+            raise ConfigError(
+                f"output.dir {run_dir} already holds a finished run (summary.json, no "
+                "checkpoints/); choose another output.dir, or set output.overwrite: true to "
+                "replace it")
         if not config.output.overwrite and not has_checkpoints(run_dir):
             raise ConfigError(
                 f"output.dir {run_dir} holds a run that stopped before its first checkpoint "
-                "(metrics.jsonl, no checkpoints/): nothing to continue; start it again with "
+                f"({started[0]}, no checkpoints/): nothing to continue; start it again with "
                 "`--set output.overwrite=true` (or set output.overwrite: true), or choose "
                 "another output.dir"
             )
         if not config.output.overwrite:
             raise ConfigError(
-                f"output.dir {run_dir} already holds a run (metrics.jsonl); continue it with "
+                f"output.dir {run_dir} already holds a run ({started[0]}); continue it with "
                 "--resume auto, choose another output.dir, or set output.overwrite: true to "
                 "replace it"
             )
