@@ -174,3 +174,40 @@ def test_metrics_have_every_key_every_step(primary, backup):
             "j/cache_hits", "j/latency_p50_s", "j/latency_p95_s", "j/wall_s"} <= keys
     judge([], [])
     assert set(judge.metrics("j")) == keys
+
+
+def test_a_resume_counts_the_replies_got_after_the_checkpoint_as_paid(primary, tmp_path):
+    """The stopped run's replies after its checkpoint stay in the cache (paid for, and not
+    asked again), but the checkpoint's budget does not hold them: a resumed run charges them
+    once, so its budget, its counts and the completions it can still afford equal the
+    uninterrupted run's (they were once free cache hits: 4 more calls than the cap paid)."""
+    def judge(cache: str) -> JudgeReward:
+        return JudgeReward.from_options(judge_options(primary.url, budget={"max_calls": 5}),
+                                        where=WHERE, cache_dir=tmp_path / cache)
+
+    counted = ("calls", "cache_hits", "duplicates", "requests", "failed", "budget_skipped",
+               "tokens", "providers", "answers")
+    steps = [(["q"] * 3, ["a", "b", "a"]), (["q"] * 2, ["c", "d"]), (["q"] * 2, ["e", "f"])]
+
+    whole, seen = judge("whole"), []
+    for prompts, completions in steps:
+        scores = whole(prompts, completions)
+        seen.append((scores, {k: whole.last_stats()[k] for k in counted},
+                     whole.budget.state_dict()))
+
+    stopped = judge("cut")
+    stopped(*steps[0])
+    checkpoint = stopped.state_dict()
+    stopped(*steps[1])  # then killed: step 2's replies are in the cache, not in the checkpoint
+    stopped.close()
+    sent = primary.calls
+    resumed = judge("cut")
+    resumed.load_state_dict(checkpoint)
+    again = []
+    for prompts, completions in steps[1:]:
+        scores = resumed(prompts, completions)
+        again.append((scores, {k: resumed.last_stats()[k] for k in counted},
+                      resumed.budget.state_dict()))
+    assert again == seen[1:]
+    assert seen[2][1]["budget_skipped"] == 1  # the cap bites in step 3, in both runs
+    assert primary.calls == sent + 1  # step 2 was not asked again; step 3's one affordable was

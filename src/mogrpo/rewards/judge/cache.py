@@ -136,6 +136,36 @@ class JudgeCache:
             self._failed("read", err)
         return found
 
+    def mark(self) -> int:
+        """The newest row's id: the rows written later have larger ones (0: none, or unread)."""
+        try:
+            with self._lock:
+                conn = self._connection()
+                return int(self._retry_locked(
+                    conn, _fetch, "SELECT COALESCE(MAX(rowid), 0) FROM judgements")[0][0])
+        except (sqlite3.Error, OSError) as err:
+            self._failed("read", err)
+            return 0
+
+    def written_between(self, keys: list[str], after: int, upto: int) -> dict[str, int]:
+        """{key: tokens} of the keys whose row was written after the row `after` and no later
+        than the row `upto` (tokens 0 where the reply reported none)."""
+        found: dict[str, int] = {}
+        unique = list(dict.fromkeys(keys))
+        try:
+            with self._lock:
+                conn = self._connection()
+                for start in range(0, len(unique), 500):
+                    chunk = unique[start : start + 500]
+                    marks = ",".join("?" * len(chunk))
+                    rows = self._retry_locked(
+                        conn, _fetch, "SELECT key, COALESCE(tokens, 0) FROM judgements WHERE "
+                        f"rowid > ? AND rowid <= ? AND key IN ({marks})", (after, upto, *chunk))
+                    found.update({key: int(tokens) for key, tokens in rows})
+        except (sqlite3.Error, OSError) as err:
+            self._failed("read", err)
+        return found
+
     def put(
         self, key: str, *, provider: str, model: str, reply: str, score: float | None,
         tokens: int | None,

@@ -58,6 +58,10 @@ class JudgeReward:
         self._pending = JudgeStats.empty(self._names)
         self._unparseable_logged = 0
         self._budget_warned = False
+        # after a resume: the cache rows the stopped run wrote after its checkpoint (rowids in
+        # (after, upto]), and the keys of those already charged again (`_charge_replays`)
+        self._replays: tuple[int, int] | None = None
+        self._replayed: set[str] = set()
         self._lock = threading.Lock()
 
     @classmethod
@@ -84,10 +88,11 @@ class JudgeReward:
         requests = [self._render(prompts[i], completions[i], columns, i) for i in range(n)]
         stats = JudgeStats.empty(self._names, calls=n)
         replies = self._cached(requests)
-        stats.cache_hits = sum(1 for r in requests if r in replies)
+        replayed = self._charge_replays(replies, stats) if self._replays else set()
+        stats.cache_hits = sum(1 for r in requests if r in replies and r not in replayed)
         todo = [r for r in dict.fromkeys(requests) if r not in replies]
         # Repeated completions (common: K samples of a short answer) are asked once.
-        stats.duplicates = n - stats.cache_hits - len(todo)
+        stats.duplicates = n - stats.cache_hits - len(todo) - len(replayed)
         if todo:
             self._ask(todo, replies, stats)
         parsed = {r: self.parser.parse(reply) for r, (reply, _) in replies.items()}
@@ -160,6 +165,40 @@ class JudgeReward:
                     replies[request] = (found[key], provider.name)
                     break
         return replies
+
+    def _charge_replays(self, replies: dict[str, tuple[str, str]],
+                        stats: JudgeStats) -> set[str]:
+        """After a resume, the cached replies the stopped run got after its checkpoint are
+        counted as the requests they were: charged to the budget (which the checkpoint holds
+        without them) and to this call's request counts, once each, as the uninterrupted run
+        counted them. Not free cache hits: the budget caps what is paid, and they were paid
+        for. A reply the budget can no longer afford is dropped from `replies` (the request
+        then meets the spent budget as the uninterrupted run's did). Returns the requests
+        charged."""
+        if self.cache is None or self._replays is None:
+            return set()
+        providers = {p.name: p for p in self.providers}
+        keys = {r: self._key(providers[name], r) for r, (_, name) in replies.items()}
+        fresh = [k for k in keys.values() if k not in self._replayed]
+        written = self.cache.written_between(fresh, *self._replays) if fresh else {}
+        charged: set[str] = set()
+        for request, key in keys.items():
+            if key not in written or key in self._replayed:
+                continue
+            self._replayed.add(key)
+            if not self.budget.reserve():
+                del replies[request]
+                continue
+            tokens = written[key]
+            if tokens:
+                self.budget.add_tokens(tokens)
+            provider = replies[request][1]
+            stats.requests += 1
+            stats.provider_requests[provider] += 1
+            stats.provider_answers[provider] += 1
+            stats.tokens += tokens
+            charged.add(request)
+        return charged
 
     def _ask(self, todo: list[str], replies: dict[str, tuple[str, str]],
              stats: JudgeStats) -> None:
@@ -258,11 +297,17 @@ class JudgeReward:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The run's budget usage, so a resumed run keeps counting from where it stopped."""
-        return {"budget": self.budget.state_dict()}
+        """The run's budget usage, so a resumed run keeps counting from where it stopped, and
+        the cache's newest row, so it can tell the replies got after the checkpoint."""
+        return {"budget": self.budget.state_dict(),
+                "cache_mark": self.cache.mark() if self.cache is not None else 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.budget.load_state_dict(state["budget"])
+        if self.cache is not None and "cache_mark" in state:
+            after, upto = int(state["cache_mark"]), self.cache.mark()
+            self._replays = (after, upto) if upto > after else None
+            self._replayed.clear()
 
     def close(self) -> None:
         """Stop pending requests and backoff waits, close connections and the cache file."""
