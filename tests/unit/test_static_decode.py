@@ -381,7 +381,15 @@ class _FakeCuda:
                 return "pool"
 
         self.Graph = Graph
-        for name, value in (("Stream", lambda: _Stream("side")), ("stream", Switch),
+        self.streams = 0
+
+        def new_stream():
+            self.streams += 1
+            return _Stream("side")
+
+        monkeypatch.setattr(graph_step, "_SHARED", None)  # the process's first capture
+        for name, value in (("Stream", new_stream), ("stream", Switch),
+                            ("graph_pool_handle", lambda: "process pool"),
                             ("CUDAGraph", Graph), ("current_stream", lambda: fake.current),
                             ("synchronize", lambda: fake.calls.append(("synchronize",))),
                             ("empty_cache", lambda: fake.calls.append(("empty_cache",)))):
@@ -398,6 +406,17 @@ def test_a_capture_keeps_the_allocators_cache_and_the_threads_stream(monkeypatch
     assert fake.calls == [("synchronize",), ("capture_begin", "shared pool", "thread_local",
                                              "side"), ("capture_end",)]
     assert fake.current is default
+
+
+def test_every_capture_of_the_process_shares_one_pool_and_one_stream(monkeypatch):
+    """A dropped graph's pool goes back to the driver only when the allocator is emptied: a
+    pool per decode would pile up; and pool blocks are reused only on their own stream."""
+    fake = _FakeCuda(monkeypatch)
+    for _ in range(3):  # three decodes' first captures
+        graph_step.capture(lambda: torch.ones(1), None)
+    begins = [c for c in fake.calls if c[0] == "capture_begin"]
+    assert [c[1] for c in begins] == ["process pool"] * 3
+    assert fake.streams == 1
 
 
 def test_a_failed_capture_puts_the_thread_back_on_its_stream(monkeypatch):

@@ -151,6 +151,16 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tenso
     return logp, entropy, lse, kept
 
 
+def _autocast_state(device: str) -> tuple[str, torch.dtype | None]:
+    """(device, the dtype autocast computes in there, None where it is off or unknown for
+    the device: meta tensors)."""
+    try:
+        on = torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return device, None
+    return device, torch.get_autocast_dtype(device) if on else None
+
+
 class _HeadLogProb(torch.autograd.Function):
     """`_forward` with a backward that recomputes each chunk's logits from the saved hidden
     states and weight: the saved tensors are O(N H + V H), not O(N V). Where every token fits
@@ -175,17 +185,17 @@ class _HeadLogProb(torch.autograd.Function):
         probs, tanh, ctx.raw_dtype = kept if kept is not None else (None, None, None)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, probs, tanh)
         ctx.temperature, ctx.softcap, ctx.products = temperature, softcap, products
-        device = hidden.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device),
-                        torch.get_autocast_dtype(device))
+        ctx.autocast = _autocast_state(hidden.device.type)
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad: Tensor, _entropy: Tensor | None  # type: ignore[override]
                  ) -> tuple[Tensor | None, ...]:
-        device, enabled, dtype = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=enabled):  # the forward's state
+        device, dtype = ctx.autocast
+        if dtype is None:
+            return _HeadLogProb._backward(ctx, grad)
+        with torch.autocast(device, dtype=dtype):  # the forward's state
             return _HeadLogProb._backward(ctx, grad)
 
     @staticmethod

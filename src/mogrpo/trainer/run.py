@@ -214,9 +214,12 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
                              strategy_for(config.distributed, dist.world_size)
                              ) if resume else None
     sft_dir = main_dir / "sft" / "merged"
-    # no merged SFT model over a quantised base (`restart_adapter`): the checkpoint's adapter
-    # holds the warm-up, on the configured base
-    base = sft_dir if loaded and loaded.state["sft_done"] and sft_dir.is_dir() else None
+    # no merged SFT model over a quantised LoRA base (`restart_adapter`): the checkpoint's
+    # adapter holds the warm-up, on the configured base; anywhere else a missing `sft/merged`
+    # stops the load (it is the base, and the KL reference)
+    quantised_lora = config.lora.enabled and (config.model.load_in_4bit
+                                              or config.model.load_in_8bit)
+    base = sft_dir if loaded and loaded.state["sft_done"] and not quantised_lora else None
     ctx = build_context(config, tasks, base)
     apply_host_memory(config.train.host_memory, ctx.device.type)
     summary_memory = _memory_estimate(ctx, config)

@@ -186,9 +186,11 @@ class UpdatePhases:
             small = sum(p.numel() for p in params) <= UPDATE_NORM_MAX_PARAMS
             if totals is not None and small:
                 diffs = step_with_update_norms(self.optimizer)
+                self.oom.stepped = True
                 totals["update_norm"] = float(self.parallel.global_norm(diffs))
             else:
                 self.optimizer.step()
+                self.oom.stepped = True
                 if totals is not None:  # too large: not measured (μ > 1 keeps the first's)
                     totals["update_norm"] = float("nan")
         elif self.scaler.is_enabled():  # fp16 overflow at this loss scale: the scaler's job

@@ -65,8 +65,9 @@ def capture(step: Callable[[], Tensor], pool: object) -> tuple[Callable[[], obje
     """(replay, the output tensor a replay refreshes, the memory pool) of `step` captured as a
     CUDA graph in `pool` (None: a new one). The step runs `WARMUP_STEPS` times first on a side
     stream; it must be idempotent (the static step is: it writes the same column from the same
-    inputs)."""
-    side = torch.cuda.Stream()
+    inputs). `pool` None: the process's shared pool (`_shared`)."""
+    side, shared = _shared()
+    pool = shared if pool is None else pool
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(WARMUP_STEPS):
@@ -82,7 +83,12 @@ def capture(step: Callable[[], Tensor], pool: object) -> tuple[Callable[[], obje
     # Not `torch.cuda.graph(...)`: it empties the allocator's cache before every capture (each
     # bucket of each rollout, and the update after the rollout then takes its memory from the
     # driver again), and when ending a broken capture raises it leaves the thread on the
-    # capture's stream, so that the training after it would run there.
+    # capture's stream, so that the training after it would run there. Without that emptying,
+    # the memory of a dropped graph's pool goes back only when the allocator is emptied: so
+    # every capture of the process takes one pool and one stream (`_shared`), the graphs of a
+    # new decode reusing the blocks of the last one's (only the live decode's graphs replay,
+    # one at a time, in the order they were captured), and a pool block is reused only on the
+    # stream it was allocated on.
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         # thread_local: another thread's CUDA calls (a server's, a judge's) do not break it
@@ -92,6 +98,18 @@ def capture(step: Callable[[], Tensor], pool: object) -> tuple[Callable[[], obje
         finally:
             graph.capture_end()
     return graph.replay, out, graph.pool()
+
+
+_SHARED: tuple[torch.cuda.Stream, object] | None = None
+
+
+def _shared() -> tuple[torch.cuda.Stream, object]:
+    """(The side stream every capture warms up and captures on, the memory pool every graph
+    allocates from), made at the process's first capture."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = (torch.cuda.Stream(), torch.cuda.graph_pool_handle())
+    return _SHARED
 
 
 class GraphedStep:
@@ -128,8 +146,11 @@ class GraphedStep:
         try:
             replay, out, self.pool = self.capture(self.step, self.pool)
         except RuntimeError as err:
-            if isinstance(err, _OOM):
-                raise  # the trainer's to handle: a smaller batch, not the eager step
+            # the trainer's to handle (a smaller batch, not the eager step), also where ending
+            # the broken capture raised in its turn
+            oom = next((e for e in (err, err.__context__) if isinstance(e, _OOM)), None)
+            if oom is not None:
+                raise oom from None
             self.failed = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             uncapturable(self.failed)
             return expected

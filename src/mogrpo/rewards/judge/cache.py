@@ -136,8 +136,9 @@ class JudgeCache:
             self._failed("read", err)
         return found
 
-    def mark(self) -> int:
-        """The newest row's id: the rows written later have larger ones (0: none, or unread)."""
+    def mark(self) -> int | None:
+        """The newest row's id: the rows written later have larger ones (0: no row yet; None:
+        the file could not be read)."""
         try:
             with self._lock:
                 conn = self._connection()
@@ -145,7 +146,7 @@ class JudgeCache:
                     conn, _fetch, "SELECT COALESCE(MAX(rowid), 0) FROM judgements")[0][0])
         except (sqlite3.Error, OSError) as err:
             self._failed("read", err)
-            return 0
+            return None
 
     def written_between(self, keys: list[str], after: int, upto: int) -> dict[str, int]:
         """{key: tokens} of the keys whose row was written after the row `after` and no later

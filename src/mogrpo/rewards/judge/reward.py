@@ -174,7 +174,11 @@ class JudgeReward:
         counted them. Not free cache hits: the budget caps what is paid, and they were paid
         for. A reply the budget can no longer afford is dropped from `replies` (the request
         then meets the spent budget as the uninterrupted run's did). Returns the requests
-        charged."""
+        charged.
+
+        What the cache cannot tell stays uncounted: the stopped run's retries and failed
+        requests after its checkpoint (one request is charged per reply), and it charges rows
+        another writer of a shared cache file added in that window as if this run had."""
         if self.cache is None or self._replays is None:
             return set()
         providers = {p.name: p for p in self.providers}
@@ -300,14 +304,16 @@ class JudgeReward:
         """The run's budget usage, so a resumed run keeps counting from where it stopped, and
         the cache's newest row, so it can tell the replies got after the checkpoint."""
         return {"budget": self.budget.state_dict(),
-                "cache_mark": self.cache.mark() if self.cache is not None else 0}
+                "cache_mark": self.cache.mark() if self.cache is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.budget.load_state_dict(state["budget"])
-        if self.cache is not None and "cache_mark" in state:
-            after, upto = int(state["cache_mark"]), self.cache.mark()
-            self._replays = (after, upto) if upto > after else None
-            self._replayed.clear()
+        # no mark (no cache then, an unreadable one, or an older checkpoint): nothing is known
+        # to have been paid after the checkpoint, and nothing is charged
+        after = state.get("cache_mark")
+        upto = self.cache.mark() if self.cache is not None and after is not None else None
+        self._replays = (int(after), upto) if upto is not None and upto > int(after) else None
+        self._replayed.clear()
 
     def close(self) -> None:
         """Stop pending requests and backoff waits, close connections and the cache file."""
