@@ -68,6 +68,22 @@ def train_in_subprocess(config: Path, **env) -> int:
 EVERY_STEP_EVAL = {"eval": {"every_steps": 1}}
 
 
+def killed_and_resumed_equals_whole(tmp_path: Path, config, weights: str | None = None) -> None:
+    """`config(name)` writes the same 4-step run to tmp_path/name: run whole; run, kill in
+    step 4 (after step 2's checkpoint), resume; the metrics (and the final `weights` file,
+    when named) are equal."""
+    assert train_in_subprocess(config("whole")) == 0
+    cut = config("cut")
+    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
+    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
+    assert main(["train", str(cut), "--resume", "auto"]) == 0
+    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
+    if weights is not None:
+        a = load_file(tmp_path / "whole" / "final" / weights)
+        b = load_file(tmp_path / "cut" / "final" / weights)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def eval_lines(run_dir: Path) -> list[str]:
     return (run_dir / "eval.jsonl").read_text().splitlines()
 
@@ -367,15 +383,7 @@ def test_bf16_mixed_full_finetune_resumes_bit_identically(tmp_path, tiny_model):
         path.write_text(yaml.safe_dump(data))
         return path
 
-    assert train_in_subprocess(bf16_mixed("whole")) == 0
-    cut = bf16_mixed("cut")
-    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
-    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
-    assert main(["train", str(cut), "--resume", "auto"]) == 0
-    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
-    a = load_file(tmp_path / "whole" / "final" / "model" / "model.safetensors")
-    b = load_file(tmp_path / "cut" / "final" / "model" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    killed_and_resumed_equals_whole(tmp_path, bf16_mixed, "model/model.safetensors")
 
 
 @pytest.mark.slow
@@ -386,12 +394,7 @@ def test_adafactor_run_resumes_bit_identically(tmp_path, tiny_model):
         return write_config(tmp_path / f"{name}.yaml", tiny_model, tmp_path / name, 4,
                             train={"optimizer": "adafactor"})
 
-    assert train_in_subprocess(adafactor("whole")) == 0
-    cut = adafactor("cut")
-    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
-    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
-    assert main(["train", str(cut), "--resume", "auto"]) == 0
-    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
+    killed_and_resumed_equals_whole(tmp_path, adafactor)
     assert {m["policy/update_norm"] > 0 for m in metric_lines(tmp_path / "whole")} == {True}
     state = torch.load(next((tmp_path / "cut" / "checkpoints").glob("step-*")) / "optimizer.pt",
                        weights_only=True)["state"]
@@ -416,13 +419,5 @@ def test_lora_on_a_4bit_base_with_the_sft_warm_up_resumes(tmp_path, tiny_model):
         path.write_text(yaml.safe_dump(data))
         return path
 
-    assert train_in_subprocess(qlora("whole")) == 0
+    killed_and_resumed_equals_whole(tmp_path, qlora, "adapter/adapter_model.safetensors")
     assert not (tmp_path / "whole" / "sft" / "merged").exists()
-    cut = qlora("cut")
-    assert train_in_subprocess(cut, KILL_ON_REWARD_CALL="4") == -9
-    assert [m["step"] for m in metric_lines(tmp_path / "cut")] == [1, 2, 3]
-    assert main(["train", str(cut), "--resume", "auto"]) == 0
-    assert metric_lines(tmp_path / "cut") == metric_lines(tmp_path / "whole")
-    a = load_file(tmp_path / "whole" / "final" / "adapter" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "cut" / "final" / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
