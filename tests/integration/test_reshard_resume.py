@@ -65,3 +65,14 @@ def test_a_ddp_checkpoint_at_another_number_is_refused_with_both(tmp_path, tiny_
     assert done.returncode != 0
     assert "saved by 1 process(es), this run has 2" in done.stderr
     assert "distributed.strategy: fsdp" in done.stderr
+
+
+def test_a_two_process_ddp_checkpoint_is_refused_by_one(tmp_path, tiny_model):
+    """Once accepted with a warning: process 1's sampling RNG was dropped and the run went on."""
+    config = full_finetune(tmp_path, tiny_model, "run", 1, "ddp")
+    train(config)
+    done = one_process(config, "--resume", "auto", "--set", "train.max_steps=2")
+    assert done.returncode != 0
+    assert "saved by 2 process(es), this run has 1" in done.stderr
+    assert "distributed.strategy: fsdp" in done.stderr and "resume this one with 2" in done.stderr
+    assert [m["step"] for m in lines(tmp_path / "run" / "metrics.jsonl")] == [1]

@@ -182,6 +182,12 @@ def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_
     else:
         loaded = _open_shared_checkpoint(run_dir, resume, dist, main_dir)
     saved_world = loaded.state.get("world_size", getattr(loaded, "world_size", 1))
+    if saved_world != dist.world_size and not isinstance(loaded, sharded.ShardedLoaded):
+        # whole weights, but one sampling RNG per process that saved them (docs/scale_out.md)
+        raise CheckpointError(
+            f"checkpoint {loaded.path} was saved by {saved_world} process(es), this run has "
+            f"{dist.world_size}; only sharded checkpoints (distributed.strategy: fsdp) resume "
+            f"at another number of processes, so resume this one with {saved_world}")
     if saved_world != dist.world_size:
         log.warning("checkpoint %s was saved by %d process(es), this run has %d: weights, "
                     "optimizer, schedule, task mixer and controllers go on exactly; the "
