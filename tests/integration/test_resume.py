@@ -222,6 +222,20 @@ def test_crash_during_save_leaves_nothing_auto_would_pick(tmp_path, tiny_model, 
     assert find_resume(run, "auto").name == "step-0000002"
 
 
+def test_a_resume_from_an_older_checkpoint_keeps_the_ones_it_writes(tmp_path, tiny_model):
+    """`output.keep_last` counts the newest by step: resumed from step 1 while step 3 of the
+    first run was still there, the run pruned its own step 2 right after writing it."""
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 3,
+                          output={"save_every": 1}, sft={"enabled": False},
+                          eval={"every_steps": 0, "at_start": False})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--resume", str(run / "checkpoints" / "step-0000001"),
+                 "--set", "train.max_steps=2", "--set", "output.keep_last=1"]) == 0
+    assert [m["step"] for m in metric_lines(run)] == [1, 2]
+    assert verify(run / "checkpoints" / "step-0000002").ok
+
+
 def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
     config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
                           sft={"enabled": False})

@@ -115,6 +115,8 @@ class RunState:
         pareto = self.quick_eval.pareto.to_json()
         protected = {p["step"] for p in pareto["front"]}
         protected |= {p["step"] for p in pareto["best"].values()}
+        # never the one just written: after a resume from an older step, newer ones are there
+        protected.add(step)
         if main or not self.sharded:  # one sharded checkpoint: process 0's
             store.prune(self.run_dir, self.config.output.keep_last, protected)
         log.info("checkpoint saved: %s", path)
