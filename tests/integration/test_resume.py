@@ -270,6 +270,28 @@ def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
     assert [m["step"] for m in metric_lines(run)] == [1, 2, 3, 4]
 
 
+def test_a_step_split_into_smaller_passes_is_not_drift(tmp_path, tiny_model, capsys):
+    """What docs/memory.md says to do after an out-of-memory error a run cannot redo (several
+    processes, μ > 1): lower the sizes and resume. The resume once refused those sizes."""
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
+                          sft={"enabled": False})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    # fewer completions a step: that is another step, refused
+    assert main(["train", str(config), "--resume", "auto", "--set", "train.max_steps=3",
+                 "--set", "train.micro_batch_size=2"]) == 2
+    assert "train.micro_batch_size: 4 -> 2" in capsys.readouterr().err
+    assert main(["train", str(config), "--resume", "auto", "--set", "train.max_steps=3",
+                 "--set", "train.micro_batch_size=2",
+                 "--set", "train.gradient_accumulation_steps=4",
+                 "--set", "rollout.generation_batch_size=4"]) == 0
+    err = capsys.readouterr().err
+    assert "config change on resume (allowed): train.micro_batch_size: 4 -> 2" in err
+    assert "(allowed): train.gradient_accumulation_steps: 2 -> 4" in err
+    assert "(allowed): rollout.generation_batch_size: null -> 4" in err
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]
+
+
 def test_doctor_reports_integrity_versions_and_resume_verdict(tmp_path, tiny_model, capsys):
     config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
                           sft={"enabled": False})

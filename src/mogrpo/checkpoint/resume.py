@@ -1,9 +1,10 @@
 """Config drift between a checkpoint and the config a run is resumed with.
 
 Settings that do not change the math done so far (total steps, logging and eval intervals,
-output locations) may change on resume; they are listed. Anything else — model, LoRA, tasks
-and rewards, lengths, K, algorithm, optimiser — refuses the resume with a field-by-field
-diff, unless the user explicitly allows it (then the diff is logged and recorded).
+output locations, how a step's completions are split into passes) may change on resume; they
+are listed. Anything else — model, LoRA, tasks and rewards, lengths, K, algorithm, optimiser —
+refuses the resume with a field-by-field diff, unless the user explicitly allows it (then the
+diff is logged and recorded).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ ALLOWED_PREFIXES = (
 )
 # Per-task settings that only decide whether data is accepted, not what is trained on.
 ALLOWED_TASK_FIELDS = ("strict",)
+# How a step's completions are split into passes (memory, not math): `memory.on_oom` halves
+# them in a run, and the way to go on after an out-of-memory error it cannot redo is to lower
+# them and resume; allowed while the step keeps its completions (micro × accumulation).
+BATCH_SPLIT = ("train.micro_batch_size", "train.gradient_accumulation_steps",
+               "rollout.generation_batch_size")
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,13 @@ class Change:
     key: str
     old: Any
     new: Any
+    same_step: bool = False
+    """A `BATCH_SPLIT` size whose change leaves the step's completions as they were."""
 
     @property
     def allowed(self) -> bool:
+        if self.same_step:
+            return True
         if self.key.startswith("tasks.") and self.key.rsplit(".", 1)[-1] in ALLOWED_TASK_FIELDS:
             return True
         return any(self.key == p or (p.endswith(".") and self.key.startswith(p))
@@ -62,7 +72,17 @@ def config_diff(saved_yaml: str, config: RunConfig) -> list[Change]:
     old = flatten(yaml.safe_load(saved_yaml) or {})
     new = flatten(config.model_dump(mode="json"))
     keys = sorted(set(old) | set(new))
-    return [Change(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+    completions = _step_completions(old)
+    same_step = completions is not None and completions == _step_completions(new)
+    return [Change(k, old.get(k), new.get(k), same_step and k in BATCH_SPLIT)
+            for k in keys if old.get(k) != new.get(k)]
+
+
+def _step_completions(flat: dict[str, Any]) -> Any:
+    """Completions per optimizer step (None where a size is missing)."""
+    micro, accumulation = (flat.get(f"train.{k}") for k in
+                           ("micro_batch_size", "gradient_accumulation_steps"))
+    return micro * accumulation if micro and accumulation else None
 
 
 def check_drift(changes: list[Change], allow: bool, checkpoint: Path) -> list[Change]:

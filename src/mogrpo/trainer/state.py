@@ -204,7 +204,8 @@ def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_
                      "allowed" if change.allowed else "FORCED", change)
         with MetricsWriter(run_dir / "config_changes.jsonl") as writer:
             writer.write({"step": step, "checkpoint": str(path),
-                          "changes": [vars(c) | {"allowed": c.allowed} for c in changes]})
+                          "changes": [{"key": c.key, "old": c.old, "new": c.new,
+                                       "allowed": c.allowed} for c in changes]})
     repair_logs(run_dir, loaded.state)
     (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
     log.info("resuming from %s (step %d)", path, step)
