@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -108,6 +109,25 @@ def test_resume_under_torchrun_continues_exactly(whole, tmp_path, tiny_model):
     a = weights(tmp_path / "cut" / "checkpoints" / "step-0000003")
     b = weights(whole / "checkpoints" / "step-0000003")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # one more torchrun run (~45 s)
+def test_resume_under_torchrun_says_which_process_checkpoint_it_passed_over(whole, tmp_path):
+    """Process 1's newest checkpoint damaged: the resume goes back to the step before, and
+    (as with one process) says which file of which process made it skip the newest."""
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    data = yaml.safe_load((whole.parent / "whole.yaml").read_text())
+    data["output"]["dir"] = str(run)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(data))
+    rng = run / ".rank-1" / "checkpoints" / "step-0000003" / "rng.safetensors"
+    rng.write_bytes(rng.read_bytes()[:-10])
+    done = train(config, "--resume", "auto")
+    assert "skipping checkpoint step-0000003 of process 1 (corrupt): rng.safetensors has" \
+        in done.stderr
+    assert "(step 2)" in done.stderr  # resuming from step-0000002
+    assert lines(run / "metrics.jsonl") == lines(whole / "metrics.jsonl")
 
 
 def test_a_step_that_does_not_split_is_refused(tmp_path, tiny_model):

@@ -246,8 +246,17 @@ def _open_shared_checkpoint(run_dir: Path, resume: str, dist: Dist, main_dir: Pa
     """The newest step every process saved intact (or the step of the path given); processes
     r > 0 read the weights and optimizer from process 0's checkpoint of that step."""
     if resume == "auto":
-        intact = {s.step for s in store.list_checkpoints(run_dir) if s.ok}
-        common = set.intersection(*[set(steps) for steps in dist.gather(sorted(intact))])
+        found = store.list_checkpoints(run_dir)
+        # process 0 says why a newer step was passed over (processes r > 0 log errors only)
+        mine = ([s.step for s in found if s.ok],
+                [(s.step, s.path.name, s.status, "; ".join(s.problems)) for s in found if not s.ok])
+        everyone = dist.gather(mine)
+        common = set.intersection(*[set(intact) for intact, _ in everyone])
+        for rank, (_, bad) in enumerate(everyone):
+            for bad_step, name, status, problems in bad:
+                if bad_step > max(common, default=-1):
+                    log.warning("skipping checkpoint %s of process %d (%s): %s", name, rank,
+                                status, problems)
         if not common:
             raise CheckpointError(
                 f"--resume auto: no step has an intact checkpoint in every one of the "
