@@ -155,7 +155,8 @@ class RunState:
                 return None
             sharded.load_sharded(path, model=self.ctx.policy, optimizer=self.trainer.optimizer)
             return path
-        if not store.verify(self.run_dir / name).ok:
+        # every process or none: one going back alone would train on other weights
+        if not all(self.dist.gather(store.verify(self.run_dir / name).ok)):
             return None
         target = store.load_checkpoint(
             self.run_dir / name, shared_from=None if self.dist.is_main else self.main_dir / name)
