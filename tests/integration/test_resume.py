@@ -236,6 +236,36 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_ones_it_writes(tmp_path, ti
     assert verify(run / "checkpoints" / "step-0000002").ok
 
 
+def test_a_resume_from_an_older_step_sets_the_newer_line_aside(tmp_path, tiny_model, capsys):
+    """Resumed from step 1 with another learning rate, step 3 of the first run stayed in
+    checkpoints/, and the next `--resume auto` went back to it: the line the user had left."""
+    config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 3,
+                          output={"save_every": 1}, sft={"enabled": False},
+                          eval={"every_steps": 0, "at_start": False})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    first_three = load_file(run / "checkpoints" / "step-0000003" / "weights.safetensors")
+    capsys.readouterr()
+    assert main(["train", str(config), "--resume", str(run / "checkpoints" / "step-0000001"),
+                 "--allow-config-change", "--set", "train.learning_rate=1e-3",
+                 "--set", "train.max_steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert "step-0000002, step-0000003 moved to" in err and "checkpoints_set_aside" in err
+    assert sorted(p.name for p in (run / "checkpoints_set_aside").iterdir()) == [
+        "step-0000002", "step-0000003"]
+    assert find_resume(run, "auto").name == "step-0000002"  # this line's, not the old one
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+    set_aside = load_file(run / "checkpoints_set_aside" / "step-0000003" / "weights.safetensors")
+    assert all(torch.equal(first_three[k], set_aside[k]) for k in first_three)  # kept intact
+
+    assert main(["train", str(config), "--resume", "auto", "--allow-config-change",
+                 "--set", "train.learning_rate=1e-3"]) == 0
+    assert "resuming from" in (err := capsys.readouterr().err) and "(step 2)" in err
+    assert [m["step"] for m in metric_lines(run)] == [1, 2, 3]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [
+        "step-0000001", "step-0000002", "step-0000003"]
+
+
 def test_config_drift_allowed_refused_and_forced(tmp_path, tiny_model, capsys):
     config = write_config(tmp_path / "c.yaml", tiny_model, tmp_path / "run", 2,
                           sft={"enabled": False})

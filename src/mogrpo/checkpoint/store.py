@@ -35,6 +35,8 @@ from mogrpo.errors import MogrpoError
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+SET_ASIDE = "checkpoints_set_aside"
+"""Where a resume from an older step moves the newer checkpoints of the line it left."""
 LATEST = "latest"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -217,6 +219,27 @@ def prune(run_dir: Path, keep_last: int, protected: set[int]) -> list[Path]:
             shutil.rmtree(path)
             removed.append(path)
     return removed
+
+
+def set_aside_newer(run_dir: Path, step: int) -> list[Path]:
+    """Move the checkpoints newer than `step` out of `checkpoints/` into `SET_ASIDE/` (a
+    resume from an older step starts another line: `--resume auto` and `keep_last` must see
+    only its checkpoints, not the line it left). Nothing is deleted; returns the new paths."""
+    newer = sorted((p for p in _step_dirs(run_dir) if _step_of(p) > step), key=_step_of)
+    moved = []
+    for path in newer:
+        target = run_dir / SET_ASIDE / path.name
+        n = 1
+        while target.exists():  # set aside before, by an earlier resume from an older step
+            n += 1
+            target = run_dir / SET_ASIDE / f"{path.name}-{n}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        moved.append(target)
+    root = run_dir / CHECKPOINTS
+    if moved and (root / f"step-{step:07d}").is_dir():  # `latest` named one moved away
+        (root / LATEST).write_text(f"step-{step:07d}", encoding="utf-8")
+    return moved
 
 
 # ----------------------------------------------------------------------------- reading

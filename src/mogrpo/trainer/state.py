@@ -208,6 +208,12 @@ def open_checkpoint(run_dir: Path, config: RunConfig, resume: str, allow_config_
                           "changes": [{"key": c.key, "old": c.old, "new": c.new,
                                        "allowed": c.allowed} for c in changes]})
     repair_logs(run_dir, loaded.state)
+    moved = store.set_aside_newer(run_dir, step)
+    if moved:
+        log.warning("resuming from step %d, an older checkpoint than the run's newest: %s "
+                    "moved to %s, so that --resume auto and output.keep_last follow this run "
+                    "from now on (delete them when you no longer need them)", step,
+                    ", ".join(p.name for p in moved), moved[0].parent)
     (run_dir / "config.yaml").write_text(to_yaml(config), encoding="utf-8")
     log.info("resuming from %s (step %d)", path, step)
     return loaded
