@@ -111,6 +111,40 @@ def quantization_errors(model: ModelConfig, lora: bool) -> list[str]:
     return errors
 
 
+def saved_quantization_errors(model: ModelConfig, lora: bool, name: str,
+                              saved: dict | None) -> list[str]:
+    """What cannot go with a checkpoint saved quantised (`saved`: its config.json's
+    `quantization_config`; `lora`: `lora.enabled`). transformers loads such weights as saved,
+    whatever `model.load_in_4bit` / `load_in_8bit` ask, and they cannot be trained: full
+    fine-tuning would train only the rest (embeddings, norms). A bitsandbytes checkpoint needs
+    the flag of its format, so that the run treats it as the quantised base it is (QLoRA's
+    preparation, the memory plan, the vLLM and FSDP2 checks)."""
+    if saved is None:
+        return []
+    method = saved.get("quant_method")
+    bits = 4 if saved.get("load_in_4bit") or saved.get("_load_in_4bit") else \
+        8 if saved.get("load_in_8bit") or saved.get("_load_in_8bit") else None
+    flag = f"model.load_in_{bits}bit" if method == "bitsandbytes" and bits else None
+    what = f"bitsandbytes {bits}-bit" if flag else method or "an unknown method"
+    where = (f"model {name} is saved quantised ({what}: `quantization_config` in its "
+             "config.json), and loads as saved")
+    asked = quantized_field(model)
+    errors = []
+    if not lora and not asked:  # (a flag without LoRA: `quantization_errors` says it)
+        errors.append(f"{where}; its quantised weights cannot be trained, so full fine-tuning "
+                      "would train only the rest (embeddings, norms): set lora.enabled: true, "
+                      "or train the unquantised checkpoint")
+    if asked and flag is None:
+        errors.append(f"{asked} quantises with bitsandbytes, but {where}; remove {asked}")
+    elif asked and asked != flag:
+        errors.append(f"{asked} = true, but {where}; set {flag}: true instead")
+    elif flag and not asked and lora:
+        errors.append(f"{where}; set {flag}: true, so that the run treats it as the quantised "
+                      "base it is (QLoRA's preparation, the memory plan, the vLLM and FSDP2 "
+                      "checks)")
+    return errors
+
+
 def small_gpu_errors(config: RunConfig, machine: bool = True) -> list[str]:
     """Every problem of `train.optimizer`, `model.load_in_4bit` / `load_in_8bit` and
     `distributed.cpu_offload` in `config` (with `machine`: on this machine)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mogrpo.config.hardware import saved_quantization_errors
 from mogrpo.config.rollout import derive_lengths
 from mogrpo.config.sections import RunConfig
 
@@ -43,6 +44,9 @@ class ModelLimits:
     """Rows of the model's token embedding."""
     tokenizer_tokens: int | None
     """Largest token id the tokenizer can produce, plus one (None: not read)."""
+    quantization: dict[str, Any] | None = None
+    """config.json's `quantization_config`: how a checkpoint saved quantised stores its weights
+    (None: it was not)."""
 
 
 def find_file(name_or_path: str, filename: str) -> Path | None:
@@ -151,8 +155,9 @@ def read_limits(config: RunConfig) -> ModelLimits | None:
     positions, source = position_limit(data)
     vocab = text_fields(data).get("vocab_size")
     tokens = None if path.is_file() else tokenizer_tokens(mc.tokenizer or name)
+    quantization = text_fields(data).get("quantization_config")
     return ModelLimits(name, positions, source, vocab if isinstance(vocab, int) else None,
-                       tokens)
+                       tokens, quantization if isinstance(quantization, dict) else None)
 
 
 def missing_config(config: RunConfig) -> str | None:
@@ -238,4 +243,6 @@ def model_errors(config: RunConfig) -> tuple[list[str], dict[str, str]]:
     if limits is None:
         return [], {}
     errors, notes = fit_lengths(config, limits)
+    errors += saved_quantization_errors(config.model, config.lora.enabled, limits.model,
+                                        limits.quantization)
     return errors + vocab_errors(config, limits), notes
