@@ -216,6 +216,17 @@ def test_a_tokenizer_with_more_tokens_than_embeddings_is_an_error(tmp_path):
         f"invalid config:\n  model.tokenizer = '{big}' has 320 tokens (ids up to 319), but")
 
 
+def test_stop_ids_beyond_the_vocabulary_are_an_error(tmp_path):
+    """They replace the model's EOS: every completion ran to max_completion_length, silently."""
+    model = model_dir(tmp_path / "m", max_position_embeddings=512)  # vocab_size 300
+    assert error_of(model, "rollout.stop_token_ids=[2, 128001, 128009]") == (
+        f"invalid config:\n  rollout.stop_token_ids = [2, 128001, 128009]: 128001, 128009 are "
+        f"beyond the vocabulary of model {model} (vocab_size = 300: ids 0 to 299), so no "
+        "completion would stop on them; give this model's end-of-turn ids, or remove "
+        "rollout.stop_token_ids to stop on its EOS tokens")
+    assert load(model, "rollout.stop_token_ids=[2, 299]")[0].rollout.stop_token_ids == [2, 299]
+
+
 # ------------------------------------------------------------------ saved quantised
 
 BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,

@@ -233,6 +233,20 @@ def vocab_errors(config: RunConfig, limits: ModelLimits) -> list[str]:
             "(model.resize_token_embeddings)"]
 
 
+def stop_errors(config: RunConfig, limits: ModelLimits) -> list[str]:
+    """Stop ids the model cannot sample (beyond its embeddings): they replace its EOS, so no
+    completion would ever stop (e.g. Llama 3's 128001 and 128009 kept for a smaller model)."""
+    vocab, ids = limits.vocab_size, config.rollout.stop_token_ids
+    beyond = [i for i in ids if vocab is not None and i >= vocab]
+    if not beyond:
+        return []
+    return [f"rollout.stop_token_ids = {ids}: {', '.join(map(str, beyond))} "
+            f"{'is' if len(beyond) == 1 else 'are'} beyond the vocabulary of model "
+            f"{limits.model} (vocab_size = {vocab}: ids 0 to {vocab - 1}), so no completion "
+            "would stop on them; give this model's end-of-turn ids, or remove "
+            "rollout.stop_token_ids to stop on its EOS tokens"]
+
+
 def model_errors(config: RunConfig) -> tuple[list[str], dict[str, str]]:
     """(errors, notes) of everything the model's files decide; `config` gets the lowered
     budgets (`fit_lengths`)."""
@@ -245,4 +259,4 @@ def model_errors(config: RunConfig) -> tuple[list[str], dict[str, str]]:
     errors, notes = fit_lengths(config, limits)
     errors += saved_quantization_errors(config.model, config.lora.enabled, limits.model,
                                         limits.quantization)
-    return errors + vocab_errors(config, limits), notes
+    return errors + vocab_errors(config, limits) + stop_errors(config, limits), notes
