@@ -201,6 +201,21 @@ def test_kwarg_the_function_cannot_take():
         check_reward_call("strict", strict, {"bonus": 1}, [], where="tasks.t.rewards.0")
 
 
+def test_a_kwarg_a_built_in_reward_does_not_name_is_an_error():
+    """A built-in's **_ takes the trainer's arguments and the columns: `target` (for
+    `target_length`) was dropped silently and the penalty ran at its default, 64."""
+    from mogrpo.rewards.builtin import length_penalty
+
+    with pytest.raises(RewardError) as err:
+        check_reward_call("length_penalty", length_penalty, {"target": 5}, ["solution"],
+                          where="tasks.t.rewards.1")
+    assert str(err.value) == (
+        "tasks.t.rewards.1: kwarg 'target' is not an option of the built-in reward "
+        "'length_penalty'; did you mean 'target_length'? its options: max_length, target_length")
+    check_reward_call("length_penalty", length_penalty, {"target_length": 5}, ["solution"],
+                      where="tasks.t.rewards.1")
+
+
 @pytest.mark.parametrize("key", ["trainer_state", "solution"])
 def test_kwarg_hiding_a_passed_argument(key):
     with pytest.raises(RewardError, match=f"kwarg '{key}' of reward 'acc' has the name of"):

@@ -325,7 +325,17 @@ def check_reward_call(label: str, fn: Callable[..., Any], kwargs: dict[str, Any]
     plan = _plan(fn)
     if plan is None:
         return
+    # a built-in's **_ takes the trainer's arguments and the columns, never a kwarg: a kwarg it
+    # does not name is a typo (`target` for `target_length`) that would be silently dropped
+    builtin = any(fn is f for f in BUILTIN_REWARDS.values())
     for key in kwargs:
+        if builtin and key not in plan.names:
+            options = sorted(plan.names - set(passed))
+            close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RewardError(
+                f"{where}: kwarg {key!r} is not an option of the built-in reward {label!r}; "
+                f"{hint}its options: {', '.join(options)}")
         if not plan.takes_all and key not in plan.names:
             raise RewardError(
                 f"{where}: reward {label!r} {_signature(fn)} has no parameter {key!r} for its "
