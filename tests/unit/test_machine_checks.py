@@ -22,6 +22,7 @@ TASKS = {"t": {"data": "builtin:bias_probe", "rewards": ["mc_correct"]}}
 def small(tmp_path) -> Path:
     LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=300,
                 max_position_embeddings=128).save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")  # a run needs tokenizer files
     return tmp_path / "m"
 
 

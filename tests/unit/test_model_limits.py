@@ -45,7 +45,9 @@ def error_of(model: Path | str, *overrides: str, **sections) -> str:
 
 @pytest.fixture
 def small(tmp_path) -> Path:
-    return model_dir(tmp_path / "m128", max_position_embeddings=128)
+    model = model_dir(tmp_path / "m128", max_position_embeddings=128)
+    (model / "tokenizer_config.json").write_text("{}")  # a run needs tokenizer files
+    return model
 
 
 # ------------------------------------------------------------------------------- positions
@@ -190,6 +192,25 @@ def test_a_directory_without_config_json_is_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------ vocabulary
+
+
+def test_a_run_needs_the_tokenizer_files_the_planner_does_not(tmp_path):
+    """A model saved without its tokenizer failed with transformers' traceback about
+    sentencepiece; `mogrpo memory` and `config show` need only config.json."""
+    model = model_dir(tmp_path / "m", max_position_embeddings=512)
+    with pytest.raises(ConfigError) as err:
+        load(model, machine=True)
+    assert str(err.value) == (
+        f"invalid config:\n  model.name_or_path = '{model}' has no tokenizer files "
+        "(tokenizer.json, tokenizer_config.json); save the tokenizer there too "
+        "(tokenizer.save_pretrained), or set model.tokenizer to the directory or hub id that has "
+        "it")
+    assert load(model)[0].model.name_or_path == str(model)  # machine=False: the planner's view
+    with pytest.raises(ConfigError, match=r"model.tokenizer = '.*' has no tokenizer files"):
+        load(save_tokenizer(model, 280), f"model.tokenizer={tmp_path}", machine=True)
+    assert load(model, machine=True)[0].model.tokenizer is None  # its tokenizer saved now
+
+
 
 
 def save_tokenizer(path: Path, tokens: int) -> Path:

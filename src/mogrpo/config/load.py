@@ -255,7 +255,7 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
     length_errors = _length_errors(config)
     errors.extend(length_errors)
     if config.model.name_or_path and not length_errors:
-        found, notes = model_errors(config)  # reads config.json: no weights, no torch
+        found, notes = model_errors(config, machine)  # reads config.json: no weights, no torch
         errors.extend(found)
         config.limit_notes.update(notes)
     if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:

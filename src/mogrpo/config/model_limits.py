@@ -170,6 +170,27 @@ def missing_config(config: RunConfig) -> str | None:
             "directory save_pretrained wrote (config.json, weights, tokenizer files)")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt")
+"""A directory holding none of these has no tokenizer (save_pretrained writes the first two)."""
+
+
+def missing_tokenizer(config: RunConfig) -> str | None:
+    """The error for a local tokenizer directory without tokenizer files (a model saved without
+    its tokenizer): transformers fails with a traceback about sentencepiece."""
+    mc = config.model
+    name = mc.tokenizer or mc.name_or_path
+    path = Path(name).expanduser() if name else None
+    if path is None or not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    field = "model.tokenizer" if mc.tokenizer else "model.name_or_path"
+    fix = "point it at the directory tokenizer.save_pretrained wrote, or a hub id" if \
+        mc.tokenizer else ("save the tokenizer there too (tokenizer.save_pretrained), or set "
+                           "model.tokenizer to the directory or hub id that has it")
+    return (f"{field} = {name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); "
+            f"{fix}")
+
+
 def fit_lengths(config: RunConfig, limits: ModelLimits) -> tuple[list[str], dict[str, str]]:
     """(errors, notes): lengths the user gave that exceed the model's positions are errors;
     budgets that lengths are derived from (`rollout.max_seq_length` where a length is not
@@ -247,16 +268,19 @@ def stop_errors(config: RunConfig, limits: ModelLimits) -> list[str]:
             "rollout.stop_token_ids to stop on its EOS tokens"]
 
 
-def model_errors(config: RunConfig) -> tuple[list[str], dict[str, str]]:
+def model_errors(config: RunConfig, run: bool = True) -> tuple[list[str], dict[str, str]]:
     """(errors, notes) of everything the model's files decide; `config` gets the lowered
-    budgets (`fit_lengths`)."""
+    budgets (`fit_lengths`). `run`: the run starts here, so its tokenizer must be at hand too
+    (the memory planner needs only config.json)."""
     missing = missing_config(config)
     if missing is not None:
         return [missing], {}
+    tokenizer = missing_tokenizer(config) if run else None
     limits = read_limits(config)
     if limits is None:
-        return [], {}
+        return [tokenizer] if tokenizer else [], {}
     errors, notes = fit_lengths(config, limits)
+    errors += [tokenizer] if tokenizer else []
     errors += saved_quantization_errors(config.model, config.lora.enabled, limits.model,
                                         limits.quantization)
     return errors + vocab_errors(config, limits) + stop_errors(config, limits), notes

@@ -118,6 +118,8 @@ def load_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except OSError as err:
         raise _unreachable(name_or_path, "tokenizer", err) from err
+    except ValueError as err:  # no tokenizer files: "Couldn't instantiate the backend tokenizer"
+        raise _unreachable(name_or_path, "tokenizer", err) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(
