@@ -248,6 +248,35 @@ def test_stop_ids_beyond_the_vocabulary_are_an_error(tmp_path):
     assert load(model, "rollout.stop_token_ids=[2, 299]")[0].rollout.stop_token_ids == [2, 299]
 
 
+# --------------------------------------------------------------------------- chat template
+
+
+def test_what_needs_a_chat_template_is_checked_before_the_weights(tmp_path):
+    """A tokenizer without one, with use_chat_template, chat rows or tools, and a missing
+    .jinja file, failed only once the weights had loaded (and the reference been copied)."""
+    model = save_tokenizer(model_dir(tmp_path / "m", max_position_embeddings=512), 280)
+    assert load(model, "model.use_chat_template=true")[0].model.use_chat_template
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    assert "chat_template" not in config  # the template was only in the .jinja file
+    none = (f"the tokenizer of model.name_or_path = '{model}' has no chat template; set "
+            "model.chat_template (Jinja text, a .jinja file, or tiny_tools), or use a tokenizer "
+            "that has one")
+    assert error_of(model, "model.use_chat_template=true") == (
+        f"invalid config:\n  model.use_chat_template = true, but {none}")
+    assert error_of(model, "tasks.t.format=chat") == (
+        f"invalid config:\n  tasks.t.format = chat, but {none}")
+    assert load(model, "tasks.t.format=chat", "model.chat_template=tiny_tools")[0]
+    assert load(model)[0].model.use_chat_template is None  # plain text: nothing needs one
+    assert error_of(model, "model.chat_template=templates/chat.jinja") == (
+        "invalid config:\n  model.chat_template: file templates/chat.jinja not found (resolved "
+        f"to {Path('templates/chat.jinja').resolve()}); give a .jinja file, the template's text "
+        "or tiny_tools")
+    assert error_of(model, "tasks.t.format=chat", "model.use_chat_template=false") == (
+        "invalid config:\n  tasks.t.format = chat, but model.use_chat_template = false; remove "
+        "model.use_chat_template (or set it true)")
+
+
 # ------------------------------------------------------------------ saved quantised
 
 BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from mogrpo.config import engines
 from mogrpo.config.hardware import quantized_field, small_gpu_errors
 from mogrpo.config.machine import machine_errors
-from mogrpo.config.model_limits import model_errors
+from mogrpo.config.model_limits import chat_template_errors, model_errors
 from mogrpo.config.precision import dtype_conflict
 from mogrpo.config.rollout import derive_lengths
 from mogrpo.config.sections import RunConfig, TaskConfig
@@ -258,6 +258,7 @@ def validate(config: RunConfig, *, machine: bool = True) -> None:
         found, notes = model_errors(config, machine)  # reads config.json: no weights, no torch
         errors.extend(found)
         config.limit_notes.update(notes)
+    errors.extend(chat_template_errors(config))
     if config.algorithm.kl_importance_weight == "detached" and config.algorithm.num_iterations == 1:
         errors.append(
             "algorithm.kl_importance_weight = detached has no effect with "

@@ -268,6 +268,47 @@ def stop_errors(config: RunConfig, limits: ModelLimits) -> list[str]:
             "rollout.stop_token_ids to stop on its EOS tokens"]
 
 
+def has_chat_template(name_or_path: str) -> bool | None:
+    """Whether the tokenizer's files carry a chat template (tokenizer_config.json's
+    `chat_template`, or a chat_template.jinja / .json beside it); None when they are not at
+    hand. Local directories only: a hub cache may hold tokenizer_config.json without the
+    template file beside it."""
+    folder = Path(name_or_path).expanduser()
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    data = _read_json(folder / "tokenizer_config.json") or {}
+    return bool(data.get("chat_template")) or any(
+        (folder / f).is_file() for f in ("chat_template.jinja", "chat_template.json"))
+
+
+def chat_template_errors(config: RunConfig) -> list[str]:
+    """What needs a chat template the run will not have: `model.use_chat_template: true`, a
+    task with tools (the template renders them) or with `format: chat`, against a tokenizer
+    whose files have none and no `model.chat_template`; a `.jinja` file that does not exist."""
+    mc = config.model
+    value = mc.chat_template
+    if value is not None:
+        path = Path(value).expanduser()
+        if value.strip().endswith(".jinja") and "{" not in value and not path.is_file():
+            return [f"model.chat_template: file {value} not found (resolved to "
+                    f"{path.resolve()}); give a .jinja file, the template's text or tiny_tools"]
+        return []
+    needs = [f"tasks.{n} has tools (the chat template renders them and their results)"
+             for n, t in config.tasks.items() if t.has_tools]
+    needs += [f"tasks.{n}.format = chat" for n, t in config.tasks.items() if t.format == "chat"]
+    if mc.use_chat_template is False:
+        return [f"{need}, but model.use_chat_template = false; remove model.use_chat_template "
+                "(or set it true)" for need in needs]
+    needs += ["model.use_chat_template = true"] if mc.use_chat_template else []
+    name = mc.tokenizer or mc.name_or_path
+    if not needs or not name or has_chat_template(name) is not False:
+        return []
+    field = f"model.tokenizer = {name!r}" if mc.tokenizer else \
+        f"the tokenizer of model.name_or_path = {name!r}"
+    return [f"{need}, but {field} has no chat template; set model.chat_template (Jinja text, a "
+            ".jinja file, or tiny_tools), or use a tokenizer that has one" for need in needs]
+
+
 def model_errors(config: RunConfig, run: bool = True) -> tuple[list[str], dict[str, str]]:
     """(errors, notes) of everything the model's files decide; `config` gets the lowered
     budgets (`fit_lengths`). `run`: the run starts here, so its tokenizer must be at hand too
