@@ -91,6 +91,26 @@ def test_directory_without_a_model(tmp_path):
         load_policy(str(tmp_path))
 
 
+def test_a_config_json_field_of_the_wrong_type_is_named(tmp_path):
+    """A hand-edited config.json ("2048" for an int) was a traceback from huggingface_hub's
+    strict dataclass, in `mogrpo train` and `mogrpo memory` alike."""
+    from mogrpo.memory.model_config import load_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "vocab_size": 300, "max_position_embeddings": "2048"}))
+    message = (f"model '{tmp_path}': its config.json does not fit its model type (Validation "
+               "error for field 'max_position_embeddings': TypeError: Field "
+               "'max_position_embeddings' expected int, got str (value: '2048')); fix that field "
+               "in config.json (or save the config again with save_pretrained)")
+    with pytest.raises(ModelError) as err:
+        load_policy(str(tmp_path))
+    assert str(err.value) == message
+    with pytest.raises(ModelError) as err:
+        load_model_config(str(tmp_path))
+    assert str(err.value) == message
+
+
 def test_unreachable_hub_id_explains_fix(monkeypatch):
     # Offline mode makes the hub fail at once instead of retrying the network for ~30 s.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

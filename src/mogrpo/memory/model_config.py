@@ -22,9 +22,15 @@ def load_model_config(name_or_path: str, *, trust_remote_code: bool = False) -> 
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json; the memory planner needs the model's "
                          "config.json (pass the directory save_pretrained wrote)")
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         return AutoConfig.from_pretrained(str(path) if path.is_dir() else name_or_path,
                                           local_files_only=True, trust_remote_code=trust_remote_code)
+    except StrictDataclassError as err:  # a field of the wrong type, e.g. "2048" for an int
+        from mogrpo.modeling.load import invalid_config_json
+
+        raise ModelError(invalid_config_json(name_or_path, err)) from None
     except (OSError, ValueError) as err:
         if path.is_dir():  # a model_type this transformers does not know: the raw dict will do
             log.debug("AutoConfig failed (%s); reading %s/config.json directly", err, path)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -224,6 +225,8 @@ def _causal_lm_config(name_or_path: str, trust_remote_code: bool) -> PretrainedC
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:  # ValueError: a directory without a usable config.json
         raise _unreachable(name_or_path, "model", err) from err
+    except StrictDataclassError as err:  # a field of the wrong type, e.g. "2048" for an int
+        raise ModelError(invalid_config_json(name_or_path, err)) from err
     remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if getattr(config, "is_encoder_decoder", False) or not (
         config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or remote_causal
@@ -233,6 +236,13 @@ def _causal_lm_config(name_or_path: str, trust_remote_code: bool) -> PretrainedC
             "mogrpo trains decoder-only models such as Llama, Qwen2, Mistral or Gemma"
         )
     return config
+
+
+def invalid_config_json(name_or_path: str, err: Exception) -> str:
+    """The message for a config.json transformers refuses field by field."""
+    reason = " ".join(str(err).split())
+    return (f"model {name_or_path!r}: its config.json does not fit its model type ({reason}); "
+            "fix that field in config.json (or save the config again with save_pretrained)")
 
 
 def _load_kwargs(torch_dtype: torch.dtype, trust_remote_code: bool,
