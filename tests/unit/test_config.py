@@ -81,6 +81,26 @@ def test_config_show_lists_every_value_with_its_source(cfg_file):
     assert rows["prompts per step"][0] == 4  # 8 × 2 / 4
 
 
+def test_set_and_env_address_an_item_of_a_list_as_config_show_names_it(cfg_file):
+    """`--set tasks.fairness.rewards.0.weight=0.5`, the key `config show` prints, was refused
+    as "unknown config key `tasks.fairness.rewards.0`; known keys here: fn, weight, …"."""
+    env = {"MOGRPO_TASKS__FAIRNESS__REWARDS__0__KWARGS__LETTERS": "AB"}
+    config, origin = load(cfg_file(), ["tasks.fairness.rewards.0.weight=0.5"], env)
+    reward = config.tasks["fairness"].rewards[0]
+    assert (reward.fn, reward.weight, reward.kwargs) == ("mc_correct", 0.5, {"letters": "AB"})
+    rows = {key: source for key, _, source in describe(config, origin)}
+    assert rows["tasks.fairness.rewards.0.weight"] == "--set tasks.fairness.rewards.0.weight"
+    assert rows["tasks.fairness.rewards.0.fn"].startswith("file ")
+    config, _ = load(cfg_file(), ["tasks.fairness.rewards.0=format"])
+    assert config.tasks["fairness"].rewards[0].fn == "format"
+    with pytest.raises(ConfigError) as err:
+        load(cfg_file(), ["tasks.fairness.rewards.1.weight=0.5"])
+    assert str(err.value) == (
+        "`tasks.fairness.rewards.1` (from --set tasks.fairness.rewards.1.weight): "
+        "tasks.fairness.rewards has 1 item(s), 0 to 0; to add one, set the whole list: "
+        "tasks.fairness.rewards=[...]")
+
+
 def test_unknown_key_gets_did_you_mean(cfg_file):
     path = cfg_file(rollout={"temprature": 0.9})
     with pytest.raises(ConfigError, match=r"unknown config key `rollout.temprature`.*did you mean `rollout.temperature`"):

@@ -48,9 +48,29 @@ class Sourced:
             path = f"{prefix}{key}"
             if isinstance(value, Mapping) and isinstance(target.get(key), dict):
                 self._merge_into(target[key], value, origin, path + ".")
+            elif isinstance(value, Mapping) and isinstance(target.get(key), list) and value \
+                    and all(str(k).isdigit() for k in value):
+                self._merge_items(target[key], value, origin, path)
             else:
                 target[key] = _copy(value)
                 self._record(path, value, origin)
+
+    def _merge_items(self, items: list, values: Mapping, origin: str, path: str) -> None:
+        """`--set tasks.t.rewards.0.weight=0.5`: into an item of a list, named by its index as
+        `config show` names it (a reward written as its name becomes {fn: name})."""
+        for index, value in values.items():
+            i = int(index)
+            if i >= len(items):
+                raise ConfigError(f"`{path}.{index}` (from {origin}): {path} has {len(items)} "
+                                  f"item(s), 0 to {len(items) - 1}; to add one, set the whole "
+                                  f"list: {path}=[...]")
+            if isinstance(items[i], str) and path.endswith(".rewards"):
+                items[i] = {"fn": items[i]}
+            if isinstance(value, Mapping) and isinstance(items[i], dict):
+                self._merge_into(items[i], value, origin, f"{path}.{i}.")
+            else:
+                items[i] = _copy(value)
+                self._record(f"{path}.{i}", value, origin)
 
     def _record(self, path: str, value: Any, origin: str) -> None:
         if isinstance(value, Mapping) and value:
