@@ -101,6 +101,19 @@ def test_set_and_env_address_an_item_of_a_list_as_config_show_names_it(cfg_file)
         "tasks.fairness.rewards=[...]")
 
 
+def test_a_task_only_set_or_env_names_is_a_misspelt_task(cfg_file):
+    """`--set tasks.fairnes.beta=0.05` made a new task and was refused as "tasks.fairnes.data:
+    Field required", with neither the source nor the task meant."""
+    with pytest.raises(ConfigError) as err:
+        load(cfg_file(), ["tasks.fairnes.beta=0.05"])
+    assert str(err.value) == ("`tasks.fairnes` (from --set tasks.fairnes.beta) is not a task of "
+                              "this config (its tasks: fairness); did you mean `tasks.fairness`?")
+    with pytest.raises(ConfigError, match=r"a new task needs `tasks.math.data` and "):
+        load(cfg_file(), [], {"MOGRPO_TASKS__MATH__BETA": "0.05"})
+    config, _ = load(cfg_file(), ["tasks.qa.data=builtin:grounded_qa", "tasks.qa.rewards=[mc_correct]"])
+    assert list(config.tasks) == ["fairness", "qa"]
+
+
 def test_unknown_key_gets_did_you_mean(cfg_file):
     path = cfg_file(rollout={"temprature": 0.9})
     with pytest.raises(ConfigError, match=r"unknown config key `rollout.temprature`.*did you mean `rollout.temperature`"):

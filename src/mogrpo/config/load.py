@@ -173,6 +173,7 @@ def load_config(
         dotted, value = parse_set(item)
         sourced.merge(_nested(dotted, value), f"--set {dotted}")
     check_unknown_keys(sourced.data, RunConfig, sourced.origin)
+    check_task_names(sourced)
     try:
         config = RunConfig.model_validate(sourced.data)
     except ValidationError as err:
@@ -213,6 +214,26 @@ def check_unknown_keys(data: Any, model: type[BaseModel], origin: dict[str, str]
                 check_unknown_keys(item, nested[0], origin, f"{path}.{i}.")
         elif nested is not None:
             check_unknown_keys(value, nested[0], origin, path + ".")
+
+
+def check_task_names(sourced: Sourced) -> None:
+    """A task only `--set` or the environment names, without `data`: a misspelt task name
+    (`--set tasks.fairnes.beta=0.05`), not a new task."""
+    tasks = sourced.data.get("tasks")
+    if not isinstance(tasks, Mapping):
+        return
+    for name, task in tasks.items():
+        sources = {v for k, v in sourced.origin.items() if k.startswith(f"tasks.{name}.")}
+        if not isinstance(task, Mapping) or "data" in task or not sources or not all(
+                v.startswith(("--set ", "env ")) for v in sources):
+            continue
+        others = [str(n) for n in tasks if n != name]
+        hint = difflib.get_close_matches(str(name), others, n=1, cutoff=0.6)
+        raise ConfigError(
+            f"`tasks.{name}` (from {sorted(sources)[0]}) is not a task of this config (its "
+            f"tasks: {', '.join(others) or 'none'}); "
+            + (f"did you mean `tasks.{hint[0]}`?" if hint else
+               f"a new task needs `tasks.{name}.data` and `tasks.{name}.rewards` too"))
 
 
 def _origin_of(path: str, origin: dict[str, str]) -> str:
