@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import GPT2Config, LlamaConfig, Qwen2Config
+from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, Qwen2Config
 
 import mogrpo
 from mogrpo.config import load_config
@@ -152,6 +152,10 @@ def test_a_gpt2_names_its_positions_n_positions(tmp_path):
                       "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8},
                                           "sliding_attention": {"rope_type": "default"}}}},
      (131072, "max_position_embeddings = 131072")),
+    # Gemma 3 as its config.json on the hub has it: one scaling, the global layers'
+    ({"text_config": {"max_position_embeddings": 131072, "rope_local_base_freq": 10000.0,
+                      "rope_scaling": {"rope_type": "linear", "factor": 8.0}}},
+     (131072, "max_position_embeddings = 131072")),
     ({"model_type": "falcon"}, (None, "no position limit in its config")),
 ])
 def test_position_limits_of_the_families(config, limit):
@@ -165,6 +169,12 @@ def test_the_rollout_reads_a_loaded_config_as_validation_reads_config_json(tmp_p
     assert position_limit(yarn.to_dict()) == position_limit(saved) == (
         131072, "max_position_embeddings = 32768, RoPE yarn scaling to 131072")
     assert position_limit(GPT2Config(n_positions=64).to_dict()) == (64, "n_positions = 64")
+    # Gemma 3: validation read 8 × 131072 positions, the loaded model 131072
+    gemma = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "linear",
+             "factor": 8.0}, "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}
+    loaded = Gemma3TextConfig(**gemma, num_hidden_layers=6).to_dict()
+    assert position_limit(loaded) == position_limit(gemma) == (
+        131072, "max_position_embeddings = 131072")
 
 
 def test_a_hub_model_is_checked_from_the_cache_only(tmp_path, monkeypatch):

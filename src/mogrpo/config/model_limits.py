@@ -89,7 +89,7 @@ def position_limit(config: dict[str, Any]) -> tuple[int | None, str]:
     `original_max_position_embeddings` where given (yarn, llama3, longrope), else
     `max_position_embeddings`; the larger of that and the stated positions binds (llama3 and
     longrope configs state the extended length already). Per-layer-type RoPE (Gemma 3) takes
-    the least extended layer type."""
+    the least extended layer type, as the model loaded by transformers has it."""
     fields = text_fields(config)
     found = [(fields[k], k) for k in POSITION_KEYS if isinstance(fields.get(k), int)
              and not isinstance(fields[k], bool) and fields[k] > 0]
@@ -99,6 +99,10 @@ def position_limit(config: dict[str, Any]) -> tuple[int | None, str]:
     rope = fields.get("rope_parameters") or fields.get("rope_scaling")
     layers = list(rope.values()) if isinstance(rope, dict) and rope and all(
         isinstance(v, dict) for v in rope.values()) else [rope]
+    if len(layers) == 1 and "rope_local_base_freq" in fields:
+        # Gemma 3's config.json: the one scaling is its global layers'; the sliding layers
+        # keep their own unscaled RoPE (transformers makes it per layer type on load)
+        layers.append(None)
     extended = min(_rope_extended(r, positions) for r in layers)
     if extended <= positions:
         return positions, f"{key} = {positions}"
