@@ -179,7 +179,8 @@ def test_user_mistake_is_an_error_line_not_a_traceback(tmp_path, tiny_model, cap
     path.write_text(yaml.safe_dump(data))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "\nerror: unknown reward 'mc_corect'; did you mean" in "\n" + err
+    assert ("\nerror: tasks.fairness.rewards.0.fn: unknown reward 'mc_corect'; did you mean"
+            in "\n" + err)
     assert "mc_correct" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()  # refused before the model loaded or a dir was made
 

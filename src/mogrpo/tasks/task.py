@@ -20,7 +20,7 @@ from mogrpo.config.machine import SANDBOXED_REWARDS
 from mogrpo.data.problems import ProblemLog
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_stream
-from mogrpo.errors import DataError
+from mogrpo.errors import DataError, RewardError
 from mogrpo.rewards.base import check_positional_only, check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
 from mogrpo.rewards.reward_model import RewardModelReward
@@ -106,6 +106,18 @@ def _reward(task: str, i: int, reward: RewardConfig, config: RunConfig
     return reward.label, resolve_reward(reward.fn), kwargs
 
 
+def _named(task: str, i: int, reward: RewardConfig, config: RunConfig
+           ) -> tuple[str, Callable, dict[str, Any]]:
+    """`_reward`, its errors saying which entry of which task's rewards is wrong."""
+    where = f"tasks.{task}.rewards.{i}"
+    try:
+        return _reward(task, i, reward, config)
+    except RewardError as err:
+        if str(err).startswith(where):  # a judge's or reward model's options say it already
+            raise
+        raise RewardError(f"{where}.fn: {err}") from err
+
+
 def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
     """Every judge reward of the run, keyed `task/label`."""
     return {f"{t.name}/{label}": fn for t in tasks for label, fn, _ in t.reward_fns
@@ -121,7 +133,7 @@ def load_tasks(config: RunConfig) -> list[Task]:
         except DataError as err:
             problems.append(str(err))
             continue
-        fns = [_reward(name, i, r, config) for i, r in enumerate(tc.rewards)]
+        fns = [_named(name, i, r, config) for i, r in enumerate(tc.rewards)]
         columns = list(dict.fromkeys(k for ex in [*train, *held_out] for k in ex.columns))
         agent = Agent.from_config(name, tc)
         if agent is not None and agent.environments:
