@@ -169,6 +169,12 @@ def test_strategy_with_explicit_lengths_is_refused(cfg_file):
         load(cfg_file(), ["rollout.length_allocation=balanced"])
 
 
+def test_a_negative_stop_id_is_refused(cfg_file):
+    with pytest.raises(ConfigError, match=r"rollout.stop_token_ids.1 = -1 .*greater than or "
+                                          r"equal to 0"):
+        load(cfg_file(), ["rollout.stop_token_ids=[2, -1]"])
+
+
 def test_type_errors_name_field_value_and_source(cfg_file):
     with pytest.raises(ConfigError, match=r"rollout.temperature = 'hot' \(from --set rollout.temperature\)"):
         load(cfg_file(), ["rollout.temperature=hot"])

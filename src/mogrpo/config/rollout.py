@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeInt
 
 from mogrpo.config.base import Section
 
@@ -76,7 +76,7 @@ class RolloutConfig(Section):
     """Subtract this × the count of each token already generated."""
     repetition_penalty: float = Field(1.0, gt=0)
     """CTRL-style repetition penalty over the prompt and the completion so far (1.0 = off)."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     """Token ids that end a completion (e.g. [128001, 128009]); default: the model's EOS."""
     engine: RolloutEngine = "auto"
     """Who generates: `native` (mogrpo's decode loop: Llama, Mistral, Qwen2/3, Gemma, Phi-3),
