@@ -419,3 +419,13 @@ def test_ladder_decodes_in_smaller_batches_before_costing_quality():
     steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), run, 24 * GIB)
     assert [s.arguments for s in steps] == [["--set", "rollout.generation_batch_size=32"]]
     assert "none in quality" in steps[0].cost and steps[0].total <= 24 * GIB
+
+
+def test_ladder_from_an_8bit_base_swaps_it_for_a_4bit_one():
+    # the 4-bit rung used to add load_in_4bit beside load_in_8bit: the estimate of that config
+    # raised "both are set", so `mogrpo plan` printed that error instead of a plan
+    run = users_run(model__load_in_8bit=True)
+    steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n), run, parse_size("8GiB"))
+    four = next(s for s in steps if s.change.startswith("4-bit NF4 base weights"))
+    assert four.overrides == ["model.load_in_8bit=false", "model.load_in_4bit=true"]
+    assert four.saving > 0 and steps[-1].total <= 8 * GIB

@@ -108,7 +108,10 @@ def _generation_batch(run: RunConfig, nproc: int) -> Rung:
 
 def _four_bit(run: RunConfig, nproc: int) -> Rung:
     ok = run.lora.enabled and not run.model.load_in_4bit
-    return ("4-bit NF4 base weights", [{"model.load_in_4bit": True}] if ok else [],
+    # an 8-bit base is swapped for a 4-bit one: the base loads in one format
+    change = {"model.load_in_8bit": False, "model.load_in_4bit": True} \
+        if run.model.load_in_8bit else {"model.load_in_4bit": True}
+    return ("4-bit NF4 base weights", [change] if ok else [],
             "small quality cost (QLoRA reports parity with 16-bit LoRA); slower matmuls; needs "
             "bitsandbytes (on a CPU 0.46.1 or newer)")
 
