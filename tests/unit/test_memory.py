@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from mogrpo.config import RunConfig
+from mogrpo.config.load import validate
 from mogrpo.errors import ConfigError, ModelError
 from mogrpo.memory import (
     GIB,
@@ -20,6 +21,7 @@ from mogrpo.memory import (
     peak_bytes,
     reset_peak,
 )
+from mogrpo.memory.estimate import with_changes
 from mogrpo.memory.weights import weight_bytes
 from mogrpo.modeling.architecture import Architecture
 
@@ -429,3 +431,14 @@ def test_ladder_from_an_8bit_base_swaps_it_for_a_4bit_one():
     four = next(s for s in steps if s.change.startswith("4-bit NF4 base weights"))
     assert four.overrides == ["model.load_in_8bit=false", "model.load_in_4bit=true"]
     assert four.saving > 0 and steps[-1].total <= 8 * GIB
+
+
+def test_ladder_offers_no_4bit_base_to_a_vllm_run():
+    # the config check refuses a quantised policy under rollout.engine: vllm ("its weight push
+    # needs unquantised weights"), so a rung setting load_in_4bit gave flags that cannot run
+    run = users_run(rollout__engine="vllm")
+    steps = ladder(lambda c, n: estimate(LLAMA_8B, c, nproc=n, gpu_memory=16 * GIB), run,
+                   16 * GIB)
+    assert steps and not any("load_in_4bit" in o for s in steps for o in s.overrides)
+    with pytest.raises(ConfigError, match="vllm cannot follow a quantised policy"):
+        validate(with_changes(run, {"model.load_in_4bit": True}), machine=False)

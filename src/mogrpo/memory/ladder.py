@@ -107,7 +107,8 @@ def _generation_batch(run: RunConfig, nproc: int) -> Rung:
 
 
 def _four_bit(run: RunConfig, nproc: int) -> Rung:
-    ok = run.lora.enabled and not run.model.load_in_4bit
+    # vLLM cannot follow a quantised policy (its weight push needs unquantised weights)
+    ok = run.lora.enabled and not run.model.load_in_4bit and run.rollout.engine != "vllm"
     # an 8-bit base is swapped for a 4-bit one: the base loads in one format
     change = {"model.load_in_8bit": False, "model.load_in_4bit": True} \
         if run.model.load_in_8bit else {"model.load_in_4bit": True}
