@@ -519,8 +519,12 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
                               sft.max_length)
         _add(terms, "sft_activations", "SFT activations", act, "SFT warm-up",
              f"{sft.batch_size} seqs × {sft.max_length} tokens, {how}")
+        # the backward's peak: the logits (kept by the loop), the fp32 log-softmax the loss
+        # saved, its dense gradient from the NLL and the fp32 logits' gradient — 16 B a logit
+        # in fp32, 14 under a 16-bit autocast (whose fp32 copy is freed after the forward)
         _add(terms, "sft_logits", "SFT logits", sft.batch_size * sft.max_length * shape.vocab * (
-            p + 4 + (4 if p < 4 else 0)), "SFT warm-up", "logits, fp32 copy and log-softmax")
+            p + 12), "SFT warm-up", "logits; fp32 log-softmax, its gradient and the fp32 "
+             "logits' gradient (backward)")
     return terms
 
 
