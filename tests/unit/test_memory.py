@@ -471,3 +471,25 @@ def test_ladder_offers_no_4bit_base_to_a_vllm_run():
     assert steps and not any("load_in_4bit" in o for s in steps for o in s.overrides)
     with pytest.raises(ConfigError, match="vllm cannot follow a quantised policy"):
         validate(with_changes(run, {"model.load_in_4bit": True}), machine=False)
+
+
+def test_the_quick_eval_decodes_in_the_generation_phase():
+    from mogrpo.eval.quick_eval import EVAL_BATCH
+    from mogrpo.memory.estimate import EVAL_BATCH as PLANNED
+
+    assert PLANNED == EVAL_BATCH == 32
+    # USERS.md's run evaluates held-out prompts greedily: 32 at once, twice the step's 16
+    # completions (the plan counted 16, so a generation-bound run that "fit" ran out at eval)
+    task = {"data": "x.jsonl", "rewards": ["mc_correct"], "beta": 0.1, "eval_size": 64}
+    rollout = users_run()
+    evaluated = estimate(LLAMA_8B, users_run(tasks={"fairness": task}))
+    assert evaluated["kv_cache"] == 131_072 * 640 * 32 == 2 * estimate(LLAMA_8B, rollout)["kv_cache"]
+    assert "32 seqs (the quick eval's batch) × 640 tokens" in evaluated.table()
+    # fewer held-out prompts, or two processes sharing them, decode fewer at once
+    small = {**task, "eval_size": 10}
+    assert estimate(LLAMA_8B, users_run(tasks={"fairness": small}))["kv_cache"] == \
+        estimate(LLAMA_8B, rollout)["kv_cache"]
+    # the generation batch caps the eval too (mogrpo.eval.quick_eval), so the ladder's rung holds
+    capped = estimate(LLAMA_8B, users_run(tasks={"fairness": task},
+                                          rollout__generation_batch_size=8))
+    assert capped["kv_cache"] == 131_072 * 640 * 8

@@ -95,3 +95,21 @@ def test_every_batch_of_the_eval_decodes_on_one_build_of_the_weights(ctx, tmp_pa
     results = evaluate(ctx, batch_size=3)
     assert len(results) == 2 and all(r.num_samples == 7 for r in results.values())
     assert len(built) == 1 and not projections._HELD
+
+
+def test_eval_decodes_no_more_rows_at_once_than_the_generation_batch(ctx, tmp_path, monkeypatch):
+    # the planner's generation phase (and the ladder's smaller-generation-batch rung) assume it
+    import mogrpo.eval.quick_eval as quick_eval
+
+    monkeypatch.setenv("SCORED_LOG", str(tmp_path / "scored.jsonl"))
+    rows: list[int] = []
+    generate = quick_eval.generate_rollout
+
+    def counted(policy, tokenizer, texts, *args, **kwargs):
+        rows.append(len(texts))
+        return generate(policy, tokenizer, texts, *args, **kwargs)
+
+    monkeypatch.setattr(quick_eval, "generate_rollout", counted)
+    monkeypatch.setattr(ctx.config.rollout, "generation_batch_size", 3)
+    evaluate(ctx)
+    assert rows == [3, 3, 1] * len(ctx.tasks)  # 7 held-out prompts a task, 32 at most a batch

@@ -52,7 +52,11 @@ class Processes(Protocol):
     def gather(self, value: Any) -> list[Any]: ...
 
 
-def evaluate(ctx: TrainContext, batch_size: int = 32, samples: int = 0,
+EVAL_BATCH = 32
+"""Held-out prompts decoded at once (fewer where `rollout.generation_batch_size` is smaller)."""
+
+
+def evaluate(ctx: TrainContext, batch_size: int = EVAL_BATCH, samples: int = 0,
              step: int = 0, processes: Processes | None = None) -> dict[str, TaskEval]:
     """Greedy completions for up to `eval.max_samples` held-out prompts of every task, scored
     as at training step `step` (the reward functions' `trainer_state.global_step`).
@@ -69,6 +73,9 @@ def _evaluate(ctx: TrainContext, batch_size: int, samples: int, step: int,
     cfg = ctx.config
     state = TrainerState(global_step=step, max_steps=cfg.train.max_steps)
     greedy = replace(ctx.sampling, greedy=True)
+    # no more rows at once than the rollout decodes: a generation_batch_size set to fit the
+    # GPU (`mogrpo plan`'s ladder) caps the eval's KV cache too
+    batch_size = min(batch_size, cfg.rollout.generation_batch_size or batch_size)
     results: dict[str, TaskEval] = {}
     for t, task in enumerate(ctx.tasks):
         examples = task.eval[: cfg.eval.max_samples]

@@ -76,6 +76,8 @@ GIB = 2**30
 CUDA_OVERHEAD = GIB
 """CUDA context (torch, cuBLAS, cuDNN kernels: ~0.3–0.6 GiB) plus allocator slack, rounded up."""
 ADAPTER_BYTES = 4  # LoRA adapters are trained weights: float32 but under pure bf16
+EVAL_BATCH = 32
+"""`mogrpo.eval.quick_eval.EVAL_BATCH` (tested equal): held-out prompts decoded at once."""
 PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
 
 
@@ -475,6 +477,9 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     seq, b = prompt + completion, layout.micro_batch
     # this process's prompts × K, generated at once unless rollout.generation_batch_size caps it
     n_gen = min(layout.rows, run.rollout.generation_batch_size or layout.rows)
+    n_eval = _eval_rows(run, layout.nproc)
+    rows_how = " (the quick eval's batch)" if n_eval > n_gen else ""
+    n_gen = max(n_gen, n_eval)
     kv_token = 2 * shape.layers * shape.kv_dim * p
     # an NF4 head (model.embeddings_in_4bit) is dequantised whole, in the compute dtype, for
     # each product: prefill's, a decode step's, the log-prob head's (kept for its backward)
@@ -486,7 +491,7 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
     terms: list[Term] = []
     if run.rollout.engine != "vllm":  # vLLM's KV cache and prefill are in its share
         _add(terms, "kv_cache", "KV cache (generation)", kv_token * seq * n_gen, "generation",
-             f"{n_gen} seqs × {seq} tokens × {kv_token / 1024:.0f} KiB "
+             f"{n_gen} seqs{rows_how} × {seq} tokens × {kv_token / 1024:.0f} KiB "
              f"({shape.kv_heads} KV heads)")
         # no_grad prefill: one layer's residual, normed input and MLP (gate, up, act | fc1,
         # act) at a time; last-token logits
@@ -526,6 +531,16 @@ def _phase_terms(shape: Architecture, run: RunConfig, p: int, device: str,
             p + 12), "SFT warm-up", "logits; fp32 log-softmax, its gradient and the fp32 "
              "logits' gradient (backward)")
     return terms
+
+
+def _eval_rows(run: RunConfig, nproc: int) -> int:
+    """Held-out prompts the greedy quick eval decodes at once on a process (0: no task has
+    any): up to `EVAL_BATCH` of a task's `eval.max_samples`, shared by the processes, no more
+    than `rollout.generation_batch_size`."""
+    held_out = [run.eval.max_samples if t.eval_data is not None
+                else min(t.eval_size, run.eval.max_samples) for t in run.tasks.values()]
+    rows = math.ceil(max(held_out, default=0) / nproc)
+    return min(rows, EVAL_BATCH, run.rollout.generation_batch_size or EVAL_BATCH)
 
 
 def _vllm_terms(run: RunConfig, gpu_memory: int | None) -> tuple[list[Term], list[str]]:
