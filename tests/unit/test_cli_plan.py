@@ -50,5 +50,9 @@ def test_plan_that_nothing_fits_and_bad_input(tmp_path: Path, capsys):
     assert "does not fit: 58.5 GiB > 4.0 GiB\nno change on the ladder makes it fit" in out
     assert main(["plan", path, "--gpu", "lots"]) == 2
     assert "error: memory size 'lots' is not a size" in capsys.readouterr().err
+    for zero in ("0", "0GB", "0.0 GiB"):  # a plan for no memory at all climbed the whole ladder
+        assert main(["plan", path, "--gpu", zero]) == 2
+        assert f"error: memory size '{zero}' is zero; write the GPU's memory" in \
+            capsys.readouterr().err
     assert main(["plan", path]) == 2  # no GPU here, none given
     assert "error: no GPU visible here: pass --gpu 24GB" in capsys.readouterr().err

@@ -29,6 +29,9 @@ def parse_size(text: str | int) -> int:
     number, unit = float(match[1]), (match[3] or match[2] or "").lower()
     decimal = bool(match[3]) and not match[4] and bool(match[5])  # "GB", not "GiB" / "G"
     scale = 1000 ** (" kmgt".index(unit)) if decimal else _UNITS[unit]
+    if int(number * scale) < 1:  # no GPU holds nothing: every plan and rung would "not fit"
+        raise ConfigError(f"memory size {text!r} is zero; write the GPU's memory, e.g. 24GB, "
+                          "24GiB, 16g or 40 (GiB)")
     return int(number * scale)
 
 
