@@ -68,6 +68,24 @@ def test_doctor_usage_errors_exit_2(run_dir, tmp_path, config_path):
                  str(config_path), "--set", "rollout.temprature=0.5"]) == 2
 
 
+def test_doctor_on_a_run_directory_says_it_is_not_a_checkpoint_and_exits_2(run_dir, tmp_path,
+                                                                          capsys):
+    # docs/commands.md: `doctor CHECKPOINT` exits 2 on "not a checkpoint directory"; a run
+    # directory (or an empty one) is not an interrupted save
+    assert main(["doctor", str(run_dir)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run_dir} is a run directory, not a checkpoint: list its checkpoints with "
+        f"`mogrpo checkpoints {run_dir}` and pass one (RUN/checkpoints/step-N)\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["doctor", str(empty)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {empty} is not a checkpoint directory (RUN/checkpoints/step-N)\n")
+    step = run_dir / "checkpoints" / "step-0000002"
+    (step / "manifest.json").unlink()  # a step directory without its manifest: incomplete
+    assert main(["doctor", str(step)]) == 3
+
+
 def test_checkpoints_exits_3_when_one_is_damaged(run_dir, tmp_path, capsys):
     assert main(["checkpoints", str(run_dir)]) == 0
     corrupt(run_dir / "checkpoints" / "step-0000001")

@@ -261,6 +261,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
     config = load_config(args.config, args.overrides)[0] if args.config else None
+    if (path / "checkpoints").is_dir() and not (path / "manifest.json").is_file():
+        raise MogrpoError(f"{path} is a run directory, not a checkpoint: list its checkpoints "
+                          f"with `mogrpo checkpoints {path}` and pass one (RUN/checkpoints/step-N)")
+    # a step directory without its manifest is an incomplete checkpoint; any other directory
+    # without one (empty, checkpoints/ itself) is not a checkpoint at all
+    if not (path.name.startswith("step-") or (path / "manifest.json").is_file()):
+        raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
     from mogrpo.checkpoint.doctor import doctor_report  # imports torch: after the config
 
     problems: list[str] = []
