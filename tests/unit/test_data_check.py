@@ -95,6 +95,16 @@ def test_usage_errors_exit_2(argv, tmp_path, monkeypatch, capsys):
     assert code == 2
 
 
+def test_set_on_a_data_file_is_refused_not_ignored(tmp_path, capsys):
+    data = tmp_path / "x.tsv"
+    data.write_text(HEADER + "\n" + GOOD[0] + "\n", encoding="utf-8")
+    assert main(["data", "check", str(data), "--set", "tasks.t.strict=true"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --set overrides a run config's values; a data file has none: give the config "
+        "(mogrpo data check run.yaml --set ...) or use the data-file options (--strict, "
+        "--format, ...)\n")
+
+
 def test_an_unreadable_file_is_a_found_problem(tmp_path, capsys):
     path = tmp_path / "gbk.tsv"
     path.write_bytes((HEADER + "\n" + GOOD[0] + "\n").encode("gbk"))

@@ -66,6 +66,9 @@ def test_doctor_usage_errors_exit_2(run_dir, tmp_path, config_path):
     assert main(["doctor", str(tmp_path / "nope")]) == 2
     assert main(["doctor", str(run_dir / "checkpoints" / "step-0000002"), "--config",
                  str(config_path), "--set", "rollout.temprature=0.5"]) == 2
+    # --set changes the config given with --config; without one it would be silently ignored
+    assert main(["doctor", str(run_dir / "checkpoints" / "step-0000002"),
+                 "--set", "rollout.temperature=0.5"]) == 2
 
 
 def test_doctor_on_a_run_directory_says_it_is_not_a_checkpoint_and_exits_2(run_dir, tmp_path,

@@ -260,6 +260,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     path = Path(args.target)
     if not path.is_dir():
         raise MogrpoError(f"{path} is not a checkpoint directory (RUN/checkpoints/step-N)")
+    if args.overrides and not args.config:
+        raise MogrpoError("--set changes the config a resume is checked against: pass it with "
+                          "--config")
     config = load_config(args.config, args.overrides)[0] if args.config else None
     if (path / "checkpoints").is_dir() and not (path / "manifest.json").is_file():
         raise MogrpoError(f"{path} is a run directory, not a checkpoint: list its checkpoints "

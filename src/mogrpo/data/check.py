@@ -192,6 +192,11 @@ def cmd_data(args: argparse.Namespace) -> int:
         checks = _tasks_of(config, path, args.strict)
         limit = config.rollout.prompt_length
     else:
+        if args.overrides:
+            raise ConfigError(
+                "--set overrides a run config's values; a data file has none: give the config "
+                "(mogrpo data check run.yaml --set ...) or use the data-file options (--strict, "
+                "--format, ...)")
         checks = [check_file(path, format=args.format, prompt_template=args.template,
                              drop_incomplete=args.drop_incomplete,
                              require_answer=not args.no_answer, strict=args.strict)]
