@@ -283,6 +283,21 @@ def test_sft_logits_term_is_what_the_warm_up_loss_holds(tmp_path: Path):
     assert 0 <= peak - est["sft_logits"] < 2**13  # the targets and the loss besides
 
 
+def test_no_sft_warm_up_phase_without_the_warm_up():
+    # sft.enabled false (the default): the gradients and autocast copies a warm-up would hold
+    # together are no phase of the run; they made "SFT warm-up" the peak of runs without one
+    est = estimate(QWEN_1_5B, qwen_full_run(model__precision="bf16-mixed",
+                                            train__gradient_accumulation_steps=4))
+    assert est.phase("SFT warm-up") == 0
+    assert est.total == est.phase("always") + max(
+        est.phase(p) for p in ("generation", "training", "optimizer step"))
+    assert "SFT warm-up" not in est.table()
+    warm = estimate(QWEN_1_5B, qwen_full_run(model__precision="bf16-mixed",
+                                             train__gradient_accumulation_steps=4,
+                                             sft={"enabled": True}))
+    assert warm.phase("SFT warm-up") > warm["gradients"] + warm["autocast"]
+
+
 def test_ladder_shrinks_the_sft_batch_when_the_warm_up_is_the_peak():
     run = qwen_full_run(lora={"enabled": True, "r": 16}, model__gradient_checkpointing=True,
                         train={"micro_batch_size": 4},

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from mogrpo.config import ModelConfig, RunConfig, derive_lengths
@@ -261,6 +261,9 @@ def estimate(model_config: Architecture | Mapping[str, Any] | Any, run: RunConfi
     terms += rm_terms
     vllm_terms, vllm_notes = _vllm_terms(run, gpu_memory)
     terms += vllm_terms
+    if not run.sft.enabled:  # what a warm-up would hold is no phase of this run
+        terms = [replace(t, also=tuple(a for a in t.also if a != "SFT warm-up"))
+                 for t in terms]
     terms.sort(key=lambda t: PHASES.index(t.phase))  # stable: resident first, then by phase
     prompt, completion = derive_lengths(run.rollout)
     title = _title(shape, run, precision, w, quantized, layout, (prompt, completion))
