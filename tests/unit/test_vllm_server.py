@@ -283,3 +283,19 @@ def test_a_server_too_short_for_the_rollout_stops_the_run_before_any_step(
                        r"rollout.max_prompt_length \+ max_completion_length = 48 \+ 24 = 72: "
                        r"restart it with --max-model-len 72"):
         build_context(config, load_tasks(config))
+
+
+def test_vllm_server_without_vllm_is_one_error_line(monkeypatch, capsys):
+    # docs/commands.md: `mogrpo[vllm]`; without it, an error line and status 2 (it was an
+    # ImportError traceback: the install hint it imported had moved)
+    import importlib.util
+
+    from mogrpo.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["vllm-server", "some/model"]) == 2
+    assert capsys.readouterr().err == (
+        "error: vllm-server needs vLLM: `pip install 'mogrpo[vllm]'` on a machine with a CUDA "
+        "GPU\n")

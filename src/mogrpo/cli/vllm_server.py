@@ -47,8 +47,9 @@ def cmd_vllm_server(args: argparse.Namespace) -> int:
 
     import torch
 
+    from mogrpo.config.engines import VLLM_INSTALL_HINT
     from mogrpo.errors import ConfigError
-    from mogrpo.rollout.vllm_engine import INSTALL_HINT, import_vllm
+    from mogrpo.rollout.vllm_engine import import_vllm
     from mogrpo.rollout.vllm_server import (
         TOKEN_ENV,
         RolloutServer,
@@ -61,7 +62,7 @@ def cmd_vllm_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"vllm-server: --port {args.port} must be in 0..65535 and "
                           f"--gpu-memory-utilization {args.gpu_memory_utilization} in (0, 1)")
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"vllm-server needs vLLM: `{INSTALL_HINT}` on a machine with a CUDA GPU")
+        raise ConfigError(f"vllm-server needs vLLM: `{VLLM_INSTALL_HINT}` on a machine with a CUDA GPU")
     if not torch.cuda.is_available():
         raise ConfigError("vllm-server needs a CUDA GPU and none is visible "
                           "(torch.cuda.is_available() is False; check CUDA_VISIBLE_DEVICES)")
