@@ -13,7 +13,7 @@ from mogrpo.config.base import Section
 class KLControlConfig(Section):
     kind: KLControllerKind = "fixed"
     """How this task's β moves: `fixed`; `dual` (the default when `low`/`high` are given: β as
-    the multiplier of the KL constraint, a PI law on log β toward the band's centre — it
+    the multiplier of the KL constraint, a PI law on log β toward the band's quiet middle — it
     enters the band within a bounded number of updates and stays); `band` (KL below `low` →
     β × (1 − rate), above `high` → β × (1 + rate)); `proportional` (Ziegler et al. 2019,
     toward `target`)."""
