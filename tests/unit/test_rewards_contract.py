@@ -216,6 +216,27 @@ def test_a_kwarg_a_built_in_reward_does_not_name_is_an_error():
                       where="tasks.t.rewards.1")
 
 
+@pytest.mark.parametrize(("fn", "kwargs", "message"), [
+    ("format", {"pattern": "<answer>(["}, "format: pattern '<answer>([' is not a valid regular"),
+    ("length_penalty", {"target_length": 60, "max_length": 40},
+     "length_penalty: need 0 <= target_length < max_length, got target_length=60, max_length=40"),
+    ("length_penalty", {"target_length": "60"},
+     "length_penalty: target_length='60' and max_length=None must be numbers"),
+    ("code_tests", {"language": "rust"}, "code_tests runs Python only, got language 'rust'"),
+    ("code_tests", {"isolation": "strict"}, "sandbox isolation 'strict': use one of"),
+    ("verilog_tests", {"compile_bonus": 1.5}, "verilog_tests: compile_bonus 1.5 must be in [0, 1)"),
+])
+def test_a_built_in_option_that_can_never_work_is_refused_before_training(fn, kwargs, message):
+    """They failed at the first reward call, after the model had loaded and a rollout ran."""
+    from mogrpo.rewards.base import BUILTIN_REWARDS
+
+    columns = ["tests", "testbench", "correct_answer"]
+    with pytest.raises(RewardError) as err:
+        check_reward_call(fn, BUILTIN_REWARDS[fn], kwargs, columns, where="tasks.t.rewards.0")
+    assert str(err.value).startswith(f"tasks.t.rewards.0.kwargs: {message}")
+    check_reward_call(fn, BUILTIN_REWARDS[fn], {}, columns, where="tasks.t.rewards.0")
+
+
 @pytest.mark.parametrize("key", ["trainer_state", "solution"])
 def test_kwarg_hiding_a_passed_argument(key):
     with pytest.raises(RewardError, match=f"kwarg '{key}' of reward 'acc' has the name of"):

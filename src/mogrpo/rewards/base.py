@@ -36,10 +36,16 @@ import torch
 
 from mogrpo.data.schema import Example
 from mogrpo.errors import RewardError
-from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
-from mogrpo.rewards.code import code_tests
+from mogrpo.rewards.builtin import (
+    format_options,
+    format_reward,
+    length_options,
+    length_penalty,
+    mc_correct,
+)
+from mogrpo.rewards.code import code_options, code_tests
 from mogrpo.rewards.columns import reward_columns
-from mogrpo.rewards.verilog import verilog_tests
+from mogrpo.rewards.verilog import verilog_options, verilog_tests
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "mc_correct": mc_correct,
@@ -47,6 +53,14 @@ BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "length_penalty": length_penalty,
     "code_tests": code_tests,
     "verilog_tests": verilog_tests,
+}
+# Each built-in's options that hold for every call (a pattern, bounds), checked with its
+# kwargs before training, not at the first reward call after the model has loaded.
+OPTION_CHECKS: dict[Callable[..., list], Callable[..., Any]] = {
+    format_reward: format_options,
+    length_penalty: length_options,
+    code_tests: code_options,
+    verilog_tests: verilog_options,
 }
 _P = inspect.Parameter
 # What the trainer passes to every reward function by keyword (TRL's contract), besides the
@@ -353,6 +367,12 @@ def check_reward_call(label: str, fn: Callable[..., Any], kwargs: dict[str, Any]
             f"data ({', '.join(columns) or 'none'}) nor one of its kwargs; add the column, give "
             f"the parameter a default, or set it under kwargs.{hint}"
         )
+    check = next((c for f, c in OPTION_CHECKS.items() if f is fn), None)
+    if check is not None:  # a built-in's options: a bad pattern fails here, not after the load
+        try:
+            check(**kwargs)
+        except RewardError as err:
+            raise RewardError(f"{where}.kwargs: {err}") from None
 
 
 def _signature(fn: Callable[..., Any]) -> str:

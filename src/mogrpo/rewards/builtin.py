@@ -75,11 +75,16 @@ def format_reward(
     prompts: list, completions: list, pattern: str = DEFAULT_FORMAT_PATTERN, **_: Any
 ) -> list[float]:
     """1.0 if `pattern` (a regular expression) is found in the completion, else 0.0."""
-    try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise RewardError(f"format: pattern {pattern!r} is not a valid regular expression ({e})") from None
+    regex = format_options(pattern)
     return [1.0 if regex.search(completion_text(c)) else 0.0 for c in completions]
+
+
+def format_options(pattern: str = DEFAULT_FORMAT_PATTERN, **_: Any) -> re.Pattern:
+    """`format`'s pattern, compiled (also checked before training: `check_reward_call`)."""
+    try:
+        return re.compile(pattern)
+    except (re.error, TypeError) as e:
+        raise RewardError(f"format: pattern {pattern!r} is not a valid regular expression ({e})") from None
 
 
 def length_penalty(
@@ -95,15 +100,25 @@ def length_penalty(
     Lengths are `completion_lengths` (tokens, passed by the trainer) or else a word count in
     which each CJK character counts as one word.
     """
-    max_length = 2 * target_length if max_length is None else max_length
-    if target_length < 0 or max_length <= target_length:
-        raise RewardError(
-            f"length_penalty: need 0 <= target_length < max_length, got target_length="
-            f"{target_length}, max_length={max_length}; fix the reward's kwargs"
-        )
+    target_length, max_length = length_options(target_length, max_length)
     if completion_lengths is None:
         lengths = [len(_WORD.findall(completion_text(c))) for c in completions]
     else:
         lengths = per_completion(completion_lengths, len(completions), "completion_lengths")
     span = max_length - target_length
     return [max(-1.0, 0.0 - max(0.0, float(n) - target_length) / span) for n in lengths]
+
+
+def length_options(target_length: Any = 64, max_length: Any = None, **_: Any) -> tuple[int, int]:
+    """`length_penalty`'s (target, max) lengths (also checked before training)."""
+    if not all(isinstance(v, int | float) and not isinstance(v, bool)
+               for v in (target_length, max_length) if v is not None):
+        raise RewardError(f"length_penalty: target_length={target_length!r} and max_length="
+                          f"{max_length!r} must be numbers of tokens; fix the reward's kwargs")
+    max_length = 2 * target_length if max_length is None else max_length
+    if target_length < 0 or max_length <= target_length:
+        raise RewardError(
+            f"length_penalty: need 0 <= target_length < max_length, got target_length="
+            f"{target_length}, max_length={max_length}; fix the reward's kwargs"
+        )
+    return target_length, max_length

@@ -30,7 +30,13 @@ from typing import Any
 
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import completion_text, per_completion
-from mogrpo.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
+from mogrpo.sandbox import (
+    Isolation,
+    SandboxLimits,
+    check_isolation_setting,
+    resolve_isolation,
+    run_sandboxed,
+)
 
 __all__ = ["RunResult", "SandboxLimits", "code_tests", "extract_code", "run_tests"]
 
@@ -114,6 +120,13 @@ def _count(tests: str) -> int:
         return 0
 
 
+def code_options(language: Any = "python", isolation: Any = "auto", **_: Any) -> None:
+    """`code_tests`' options that hold for every row (also checked before training)."""
+    if language != "python":
+        raise RewardError(f"code_tests runs Python only, got language {language!r}")
+    check_isolation_setting(isolation)
+
+
 def code_tests(
     prompts: list,
     completions: list,
@@ -130,8 +143,7 @@ def code_tests(
     if tests is None:
         raise RewardError("code_tests needs a 'tests' column (Python statements, e.g. asserts) "
                           "in the task's data")
-    if language != "python":
-        raise RewardError(f"code_tests runs Python only, got language {language!r}")
+    code_options(language=language, isolation=isolation)
     limits = SandboxLimits(timeout=timeout, memory_mb=memory_mb)
     contained = resolve_isolation(isolation)
     row_tests: Sequence[Any] = per_completion(tests, len(completions), "tests")

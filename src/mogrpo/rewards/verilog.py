@@ -34,7 +34,13 @@ from typing import Any
 from mogrpo.config.machine import iverilog_missing
 from mogrpo.errors import RewardError
 from mogrpo.rewards.builtin import completion_text, per_completion
-from mogrpo.sandbox import Isolation, SandboxLimits, resolve_isolation, run_sandboxed
+from mogrpo.sandbox import (
+    Isolation,
+    SandboxLimits,
+    check_isolation_setting,
+    resolve_isolation,
+    run_sandboxed,
+)
 
 RESULT_MACRO = "MOGRPO_RESULT"
 _MARK = "__MOGRPO_RESULT__"
@@ -144,6 +150,14 @@ def score_result(result: SimResult, partial: bool = True, compile_bonus: float =
     return compile_bonus + (1.0 - compile_bonus) * fraction
 
 
+def verilog_options(compile_bonus: Any = 0.0, isolation: Any = "auto", **_: Any) -> None:
+    """`verilog_tests`' options that hold for every row (also checked before training)."""
+    if not isinstance(compile_bonus, int | float) or not 0.0 <= compile_bonus < 1.0:
+        raise RewardError(f"verilog_tests: compile_bonus {compile_bonus!r} must be in [0, 1), "
+                          "e.g. 0.1")
+    check_isolation_setting(isolation)
+
+
 def verilog_tests(
     prompts: list,
     completions: list,
@@ -158,9 +172,7 @@ def verilog_tests(
     **_: Any,
 ) -> list[float | None]:
     """Fraction of the row's testbench checks the completion's Verilog passes (see the module)."""
-    if not 0.0 <= compile_bonus < 1.0:
-        raise RewardError(f"verilog_tests: compile_bonus {compile_bonus} must be in [0, 1), "
-                          "e.g. 0.1")
+    verilog_options(compile_bonus=compile_bonus, isolation=isolation)
     problem = iverilog_missing()
     if problem:
         raise RewardError(problem)

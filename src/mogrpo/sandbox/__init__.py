@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mogrpo.errors import RewardError
 
@@ -215,12 +215,17 @@ def probe_isolation() -> Isolation:
     return Isolation("namespaces")
 
 
+def check_isolation_setting(setting: Any) -> None:
+    """A RewardError unless `setting` is one of `ISOLATION_SETTINGS`."""
+    if setting not in ISOLATION_SETTINGS:
+        raise RewardError(f"sandbox isolation {setting!r}: use one of {', '.join(ISOLATION_SETTINGS)}")
+
+
 def resolve_isolation(setting: str) -> Isolation:
     """The isolation a run gets for `sandbox.isolation` = `setting`: `auto` (namespaces where
     the machine allows, else `limits`, said once in the log), `required` (namespaces or a
     RewardError) or `off` (`limits`)."""
-    if setting not in ISOLATION_SETTINGS:
-        raise RewardError(f"sandbox isolation {setting!r}: use one of {', '.join(ISOLATION_SETTINGS)}")
+    check_isolation_setting(setting)
     if setting == "off":
         return Isolation("limits", "sandbox.isolation is off")
     found = probe_isolation()
