@@ -94,7 +94,18 @@ def test_checkpoints_exits_3_when_one_is_damaged(run_dir, tmp_path, capsys):
     corrupt(run_dir / "checkpoints" / "step-0000001")
     assert main(["checkpoints", str(run_dir)]) == 3
     assert "step-0000001  step      1  corrupt" in capsys.readouterr().out
-    assert main(["checkpoints", str(tmp_path)]) == 2  # no checkpoints: not a run directory
+    capsys.readouterr()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["checkpoints", str(empty)]) == 2  # no checkpoints: not a run directory
+    assert capsys.readouterr().err == (
+        f"error: no checkpoints in {empty / 'checkpoints'}; this is not a run's output.dir\n")
+    (empty / "metrics.jsonl").write_text("")
+    assert main(["checkpoints", str(empty)]) == 2
+    assert "the run stopped before its first one (written every output.save_every steps and " \
+        "at the end)" in capsys.readouterr().err
+    assert main(["checkpoints", str(tmp_path / "missing")]) == 2
+    assert "missing is not a directory; give a run's output.dir" in capsys.readouterr().err
 
 
 def test_train_data_and_config_errors_exit_2(tmp_path, capsys):

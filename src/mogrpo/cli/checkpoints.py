@@ -20,13 +20,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from mogrpo.checkpoint.store import FORMAT_SHARDED, MANIFEST, STATE, list_checkpoints
+    from mogrpo.checkpoint.store import (
+        FORMAT_SHARDED,
+        MANIFEST,
+        STARTED,
+        STATE,
+        list_checkpoints,
+    )
     from mogrpo.errors import ExitCode, MogrpoError
 
     found = list_checkpoints(args.run_dir)
+    if not args.run_dir.is_dir():
+        raise MogrpoError(f"{args.run_dir} is not a directory; give a run's output.dir")
     if not found:
-        raise MogrpoError(f"no checkpoints in {args.run_dir / 'checkpoints'}; is this a run "
-                          "directory with output.save_every set?")
+        started = any((args.run_dir / name).exists() for name in STARTED)
+        raise MogrpoError(
+            f"no checkpoints in {args.run_dir / 'checkpoints'}; " + (
+                "the run stopped before its first one (written every output.save_every steps "
+                "and at the end)" if started else "this is not a run's output.dir"))
     for status in found:
         scores = ""
         try:

@@ -16,7 +16,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "downloaded), runs an SFT warm-up and GRPO on two built-in multiple-choice tasks "
         "(fairness: ambiguous questions must be answered 'Cannot be determined'; "
         "hallucination: unanswerable questions must be declined), and prints greedy held-out "
-        "accuracy per task before and after GRPO. About 2.5 minutes on 2 CPU cores.",
+        "accuracy per task before and after GRPO. About 2 minutes on 2 CPU cores.",
     )
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for model, data and training (default 0)")
