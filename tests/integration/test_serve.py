@@ -115,11 +115,13 @@ def test_concurrent_requests_share_generate_calls(served, monkeypatch):
     threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
     for t in threads:
         t.start()
-    for _ in range(2000):  # bounded wait (<= 20 s) for all 7 to be queued
+    for _ in range(6000):  # bounded wait (<= 60 s: a loaded machine) for all 7 to be queued
         if batcher.queue.qsize() == len(bodies):
             break
         release.wait(0.01)
+    queued = batcher.queue.qsize()
     release.set()
+    assert queued == len(bodies)  # else the batches below are not the ones this test counts
     for t in [blocker, *threads]:
         t.join(timeout=30)
     assert len(results) == 8 and {status for status, _ in results} == {200}
