@@ -219,3 +219,20 @@ def test_a_full_run_without_prompt_sharing_starts_at_kl_zero_and_learns(tmp_path
     before = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "model").state_dict()
     assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
+
+
+def test_the_saved_models_stop_at_the_configured_stop_ids(tmp_path, tiny_model):
+    # rollout.stop_token_ids that the checkpoint's generation_config lacks (Llama-3 base with
+    # <|eot_id|>): plain transformers, `mogrpo predict` and `mogrpo serve` on the run must stop
+    # where the trainer's rollouts and greedy eval stopped
+    from transformers import AutoTokenizer
+
+    newline = AutoTokenizer.from_pretrained(tiny_model)("\n", add_special_tokens=False)
+    stop = newline["input_ids"]
+    path = write_config(tmp_path, tiny_model, lora=True, rollout={"stop_token_ids": stop},
+                        train={"max_steps": 1}, sft={"steps": 2}, health={"enabled": False})
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    for model in (run / "final" / "merged", run / "sft" / "merged"):
+        generation = json.loads((model / "generation_config.json").read_text())
+        assert generation["eos_token_id"] == stop, model

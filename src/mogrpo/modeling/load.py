@@ -353,6 +353,17 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def record_stop_ids(model: torch.nn.Module, stop_ids: list[int]) -> None:
+    """Make `stop_ids` the EOS ids of the model's generation_config, so the model saves them:
+    plain transformers, `mogrpo predict` and `mogrpo serve` then end a completion where the
+    run's rollouts and greedy eval ended it (`rollout.stop_token_ids` may name ids the
+    checkpoint's own generation_config lacks, e.g. Llama-3 base's `<|eot_id|>`)."""
+    base = model.get_base_model() if _is_peft(model) else model
+    config = getattr(base, "generation_config", None)
+    if config is not None:
+        config.eos_token_id = list(stop_ids)
+
+
 def save_model(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,

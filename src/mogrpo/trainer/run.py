@@ -35,6 +35,7 @@ from mogrpo.modeling.load import (
     LoraSettings,
     apply_lora,
     load_policy,
+    record_stop_ids,
     save_model,
     save_pretrained,
     trainable_parameters,
@@ -307,6 +308,8 @@ def _finish(state: RunState, save: bool) -> dict[str, Any]:
         # the float32 master weights a resume needs; a LoRA merge is in its base's dtype)
         for param in policy.parameters():
             param.data = param.data.to(ctx.precision.compute_dtype)
+    if save:
+        record_stop_ids(policy, ctx.stop_token_ids)
     # the run is over: merge into the policy itself, not a copy (no second set of weights)
     summary["saved"] = {k: str(v) for k, v in save_model(
         policy, ctx.tokenizer, run_dir / "final", merged=ctx.config.output.save_merged,
@@ -376,6 +379,7 @@ def finish_sft(ctx: TrainContext, sft_dir: Path, write: bool = True) -> None:
     restart the adapter on top of it. Only process 0 writes (`write`)."""
     from peft import PeftModel
 
+    record_stop_ids(ctx.policy, ctx.stop_token_ids)  # saved with it: it ends as the run's do
     if isinstance(ctx.policy, PeftModel):
         restart_adapter(ctx, sft_dir, write)
     elif write:
