@@ -95,6 +95,33 @@ def test_the_run_config_builds_the_training_prompt(b_model, tmp_path):
     assert detail["prompt"] == "题目：以下哪个城市是中国的首都？\nA. 上海\nB. 北京\nC. 广州\nD. 深圳\n答案："
 
 
+def test_the_run_config_decodes_as_its_greedy_eval(b_model, tmp_path, monkeypatch):
+    # the run's penalties and stop ids shape its greedy eval (quick_eval keeps them), so the
+    # answers of `predict --config` are those the eval scored
+    from dataclasses import replace
+
+    from mogrpo.config import load_config
+    from mogrpo.rollout import generate
+    from mogrpo.rollout.sampling import SamplingSettings
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: {{name_or_path: {b_model}}}\n"
+        "tasks: {exam: {data: test.tsv, rewards: [{fn: mc_correct}]}}\n"
+        "rollout: {max_completion_length: 8, presence_penalty: 0.5, frequency_penalty: 0.25,"
+        " repetition_penalty: 1.1, stop_token_ids: [1, 2]}\n"
+        f"output: {{dir: {tmp_path / 'run'}}}\n", encoding="utf-8")
+    seen = []
+    real = generate.generate_rollout
+    monkeypatch.setattr(generate, "generate_rollout", lambda model, tok, texts, settings, **kw:
+                        seen.append(settings) or real(model, tok, texts, settings, **kw))
+    data = write_tsv(tmp_path / "test.tsv", HEADER, ROWS[:1])
+    assert main(["predict", str(b_model), str(data), "--out", str(tmp_path / "sub.csv"),
+                 "--config", str(config)]) == 0
+    rollout = load_config(config, [])[0].rollout
+    assert seen == [replace(SamplingSettings.from_rollout(rollout), greedy=True)]
+
+
 @pytest.mark.parametrize(("rows", "args", "message"), [
     ([ROWS[0], ROWS[0]], [], "column 'id' repeats the id 'c-101'"),
     (ROWS[:2], ["--id-column", "qid"], "no value in the id column 'qid'"),

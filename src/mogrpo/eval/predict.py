@@ -63,6 +63,12 @@ class PromptSettings:
     max_prompt_length: int | None = None
     """None: what the model's context leaves after max_new_tokens."""
     max_new_tokens: int = 64
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """The run's penalties: its greedy eval decodes with them, so predict does too."""
+    stop_token_ids: tuple[int, ...] = ()
+    """The run's `rollout.stop_token_ids`; empty: the model's EOS ids."""
 
     @classmethod
     def from_config(cls, path: Path, task: str | None, overrides: list[str]) -> PromptSettings:
@@ -76,9 +82,11 @@ class PromptSettings:
             raise ConfigError(f"--task {name!r} is not a task of {path}; its tasks: "
                               f"{', '.join(names)}")
         tc: TaskConfig = config.tasks[name]
+        ro = config.rollout
         return cls(tc.format, tc.prompt_template, tc.system_prompt,
                    config.model.use_chat_template, tc.drop_incomplete, tc.strict,
-                   config.rollout.prompt_length, config.rollout.completion_length)
+                   ro.prompt_length, ro.completion_length, ro.repetition_penalty,
+                   ro.presence_penalty, ro.frequency_penalty, tuple(ro.stop_token_ids))
 
 
 def load_rows(data: Path, settings: PromptSettings) -> list[Example]:
@@ -129,7 +137,12 @@ def predict(model: Any, tokenizer: Any, examples: list[Example], ids: list[str],
     from mogrpo.rollout.generate import SamplingSettings, generate_rollout
     from mogrpo.rollout.projections import held_projections
 
-    greedy = SamplingSettings(max_new_tokens=settings.max_new_tokens, greedy=True)
+    # as the run's quick-eval decodes: greedy, with the run's penalties and stop ids
+    greedy = SamplingSettings(
+        max_new_tokens=settings.max_new_tokens, greedy=True,
+        repetition_penalty=settings.repetition_penalty,
+        presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty,
+        stop_token_ids=list(settings.stop_token_ids))
     out: list[Prediction] = []
     show = progress and sys.stderr.isatty()
     # every batch decodes with the same weights: fused and packed once for all of them
