@@ -95,6 +95,29 @@ def test_the_run_config_builds_the_training_prompt(b_model, tmp_path):
     assert detail["prompt"] == "题目：以下哪个城市是中国的首都？\nA. 上海\nB. 北京\nC. 广州\nD. 深圳\n答案："
 
 
+def test_a_run_directory_builds_the_prompts_from_its_own_config(b_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "model").symlink_to(b_model)
+    (run / "config.yaml").write_text(
+        f"model: {{name_or_path: {b_model}, use_chat_template: false}}\n"
+        "tasks:\n"
+        "  exam:\n"
+        "    data: test.tsv\n"
+        "    system_prompt: 只回答字母。\n"
+        "    prompt_template: \"题目：{question}\\n{options}\\n答案：\"\n"
+        "    rewards: [{fn: mc_correct}]\n"
+        f"output: {{dir: {run}}}\n", encoding="utf-8")
+    data = write_tsv(tmp_path / "test.tsv", HEADER, ROWS[:1])
+    out = tmp_path / "sub.csv"
+    assert main(["predict", str(run), str(data), "--out", str(out)]) == 0
+    (detail,) = [json.loads(line) for line in
+                 (tmp_path / "sub.details.jsonl").read_text("utf-8").splitlines()]
+    assert detail["prompt"] == ("只回答字母。\n\n题目：以下哪个城市是中国的首都？\n"
+                                "A. 上海\nB. 北京\nC. 广州\nD. 深圳\n答案：")
+    assert f"building the prompts as run {run} did (its config.yaml)" in capsys.readouterr().err
+
+
 def test_the_run_config_decodes_as_its_greedy_eval(b_model, tmp_path, monkeypatch):
     # the run's penalties and stop ids shape its greedy eval (quick_eval keeps them), so the
     # answers of `predict --config` are those the eval scored

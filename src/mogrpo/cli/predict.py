@@ -4,10 +4,13 @@ CSV (the work is done in `mogrpo.eval.predict`)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
 from mogrpo.cli.args import add_overrides
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,7 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     predict.add_argument("--details", type=Path, default=None,
                          help="details JSONL (default: OUT with .details.jsonl)")
     predict.add_argument("--config", type=Path, default=None,
-                         help="the run's config: build prompts exactly as in training")
+                         help="the run's config: build prompts exactly as in training "
+                         "(default: a run directory's own config.yaml)")
     predict.add_argument("--task", default=None, help="the config's task whose prompt settings "
                          "to use (needed when it has several)")
     predict.add_argument("--id-column", default=None,
@@ -66,8 +70,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     fallback = (args.fallback or "").strip().upper()
     if args.fallback is not None and (len(fallback) != 1 or not fallback.isalpha()):
         raise ConfigError(f"--fallback {args.fallback!r} must be one option letter, e.g. A")
-    if args.config is not None:
-        settings = PromptSettings.from_config(args.config, args.task, args.overrides)
+    config = args.config
+    if config is None and (Path(args.model) / "config.yaml").is_file():
+        config = Path(args.model) / "config.yaml"  # a run directory: prompts as it trained on
+        log.info("building the prompts as run %s did (its config.yaml)", args.model)
+    if config is not None:
+        settings = PromptSettings.from_config(config, args.task, args.overrides)
     elif args.task is not None or args.overrides:
         raise ConfigError("--task and --set read a run's config: pass it with --config")
     else:
