@@ -203,6 +203,9 @@ def test_run_directory_resolves_to_its_final_model(tmp_path, seven):
     (run / "final" / "adapter" / "adapter_config.json").write_text("{}")
     with pytest.raises(ModelError, match="holds a LoRA adapter, not a model; use the merged"):
         resolve_model_dir(str(run / "final" / "adapter"))
+    (run / "final" / "merged" / "config.json").unlink()  # output.save_merged: false
+    with pytest.raises(ModelError, match=r"saved only its LoRA adapter .*save_merged was false"):
+        resolve_model_dir(str(run))
 
 
 def test_cli_arguments():

@@ -424,6 +424,12 @@ def resolve_model_dir(path: str) -> str:
         if (candidate / "config.json").is_file():
             logger.info("using %s, the final model of run %s", candidate, root)
             return str(candidate)
+    if (root / "final" / "adapter" / "adapter_config.json").is_file():
+        raise ModelError(
+            f"run {path} saved only its LoRA adapter ({root / 'final' / 'adapter'}; "
+            "output.save_merged was false): merge it into its base with peft "
+            "(PeftModel.from_pretrained(base, adapter).merge_and_unload()) and give that "
+            "model directory")
     if (root / "adapter_config.json").is_file():
         raise ModelError(
             f"{path} holds a LoRA adapter, not a model; use the merged model saved beside it "
