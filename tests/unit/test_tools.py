@@ -100,6 +100,19 @@ def test_results_errors_and_timeouts_become_messages_for_the_model():
     assert [r.error for r in results] == [False, False, True, True, True, True, True]
 
 
+def test_an_async_tool_called_with_bad_arguments_gives_the_model_an_error():
+    # an async function binds its arguments when called, before any coroutine runs
+    tools = {"lookup": lookup, "calculator": calculator}
+    for parallel in (True, False):
+        bad, good = run_tool_calls([(tools, ToolCall("lookup", {"name": "k"})),
+                                    (tools, ToolCall("calculator", {"expression": "2*3"}))],
+                                   timeout_s=1.0, parallel=parallel)
+        assert bad.error and not bad.timed_out
+        assert bad.content == ("error: lookup raised TypeError: lookup() got an unexpected "
+                               "keyword argument 'name'")
+        assert good.content == "6"
+
+
 def test_calls_of_a_batch_run_concurrently():
     tools = {"slow": slow}
     start = time.monotonic()

@@ -160,9 +160,14 @@ class _AsyncLoop:
 def _start(fn: Callable[..., Any], arguments: dict[str, Any]) -> Future:
     """Start one call: async tools on the shared loop, sync ones on a daemon thread of their
     own (a tool that never returns leaves its thread behind, not the run waiting)."""
-    if inspect.iscoroutinefunction(fn):
-        return asyncio.run_coroutine_threadsafe(fn(**arguments), _AsyncLoop.get())
     future: Future = Future()
+    if inspect.iscoroutinefunction(fn):
+        try:  # arguments are bound at the call: a bad one raises here, not in the coroutine
+            coroutine = fn(**arguments)
+        except Exception as err:  # noqa: BLE001 - the model reads what went wrong
+            future.set_exception(err)
+            return future
+        return asyncio.run_coroutine_threadsafe(coroutine, _AsyncLoop.get())
     future.set_running_or_notify_cancel()  # running: a timeout cannot cancel it, only leave it
 
     def run() -> None:
