@@ -26,6 +26,13 @@ def test_number_with_pattern_picks_the_marked_number():
     assert p.parse("2 errors found.") is None
 
 
+def test_a_pattern_whose_group_did_not_match_is_unparseable_not_a_crash():
+    # an optional group matches without taking part: the reply holds no score
+    p = parser(kind="number", min=0, max=10, pattern=r"Score:\s*([0-9.]+)?")
+    assert p.parse("Score: 7") == pytest.approx(0.7)
+    assert p.parse("Score: n/a (refused)") is None
+
+
 @pytest.mark.parametrize(("reply", "score"), [
     ('{"score": 4}', 0.75), ('```json\n{"score": "2", "why": "x"}\n```', 0.25),
     ('Here: {"result": {"score": 5}}', None), ('{"score": true}', None), ("{not json}", None),

@@ -87,6 +87,8 @@ class ScoreParser:
             if not match:
                 return None
             text = match.group(1) if self.pattern.groups else match.group(0)
+            if text is None:  # an optional group that took no part in the match
+                return None
         number = _NUMBER.search(text)
         return self._scale(float(number.group(0)) if number else None)
 
