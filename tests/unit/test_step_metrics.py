@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -44,3 +46,17 @@ def test_reward_metrics_per_objective_with_missing_scores():
     assert m["task/t/reward/mean"] == pytest.approx(0.75 + 0.5 / 3)
     assert m["task/t/zero_var_frac"] == 0.5
     assert m["task/t/reward/format/weight"] == 0.5
+
+
+def test_task_reward_mean_is_unknown_when_an_objective_scored_nothing():
+    nan = float("nan")
+    # the judge (objective 1) failed on every completion: its 0.5 weight is not a 0 score
+    grouped = torch.tensor([[[1.0, nan], [0.0, nan]], [[1.0, nan], [1.0, nan]]])
+    adv = torch.tensor([[0.7, -0.7], [0.0, 0.0]])
+    m = reward_metrics("t", ["correct", "judge"], [1.0, 0.5], grouped, adv)
+    assert m["task/t/reward/correct/mean"] == 0.75
+    assert m["task/t/reward/judge/missing_frac"] == 1.0
+    assert math.isnan(m["task/t/reward/judge/mean"]) and math.isnan(m["task/t/reward/mean"])
+    # an objective weighted 0 (a schedule not started yet) does not count
+    m = reward_metrics("t", ["correct", "judge"], [1.0, 0.0], grouped, adv)
+    assert m["task/t/reward/mean"] == 0.75

@@ -156,7 +156,7 @@ CURRICULUM_STAGE = Metric("curriculum/stage", when="curriculum.stages")
 TASK_KL = PerTask("kl")
 TASK_BETA = PerTask("beta")
 TASK_REWARD = PerTask("reward/mean")
-"""The weighted mean of the task's objectives."""
+"""The weighted mean of the task's objectives; NaN when a weighted objective scored nothing."""
 TASK_ZERO_VAR_FRAC = PerTask("zero_var_frac")
 """Fraction of the task's groups whose advantages are all zero (no signal)."""
 TASK_COMPLETION_LENGTH = PerTask("completion_length")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mogrpo.algo.advantages import reward_stats
@@ -26,7 +24,9 @@ def reward_metrics(name: str, labels: list[str], weights: list[float],
         out[names.OBJECTIVE_MISSING_FRAC.of(name, label)] = stats["missing_frac"][j]
         out[names.OBJECTIVE_ZERO_VAR_FRAC.of(name, label)] = stats["zero_var_frac"][j]
         out[names.OBJECTIVE_WEIGHT.of(name, label)] = weights[j]
-        if not math.isnan(stats["mean"][j]):
+        # an objective that scored nothing (a judge outage) leaves the weighted mean unknown:
+        # NaN, not the sum of the other objectives as if it had scored 0
+        if weights[j]:
             combined += weights[j] * stats["mean"][j]
     out[names.TASK_REWARD.of(name)] = combined
     # A group whose advantages are all zero carries no learning signal.
