@@ -189,3 +189,36 @@ def test_a_sync_tool_that_outlives_its_timeout_ends_quietly(monkeypatch):
     for thread in [t for t in threading.enumerate() if t.name == "mogrpo-tool-slow"]:
         thread.join(5)
     assert raised == []
+
+
+class Job:
+    """An environment whose async tool starts a job that its async get_reward awaits."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    async def start(self, seconds: float) -> str:
+        """Start the job.
+
+        Args:
+            seconds: How long it runs.
+        """
+        self.job = asyncio.get_running_loop().create_task(asyncio.sleep(seconds, result=1.0))
+        return "started"
+
+    async def get_reward(self) -> float:
+        return await self.job
+
+
+def test_async_get_rewards_await_what_async_tools_started_all_at_once():
+    from mogrpo.tasks.agents import EnvironmentReward
+
+    envs = [Job() for _ in range(6)]
+    started = run_tool_calls([({"start": e.start}, ToolCall("start", {"seconds": 0.4}))
+                              for e in envs], timeout_s=5)
+    assert [r.content for r in started] == ["started"] * 6
+    begin = time.monotonic()
+    # the jobs live on the tools' loop; the rows of another environment are not scored
+    scores = EnvironmentReward(Job)([None] * 7, [""] * 7, environments=[*envs, None])
+    assert scores == [1.0] * 6 + [None]
+    assert time.monotonic() - begin < 1.2  # together: one job's time, not six

@@ -157,6 +157,16 @@ class _AsyncLoop:
             return cls._loop
 
 
+def await_on_tool_loop(awaitables: Sequence[Any]) -> list[Any]:
+    """Await `awaitables` together on the loop the async tools run on, from any thread (one
+    with a running loop too); their results in order. An environment's async `get_reward` may
+    await what its async tools started there (a task, a client's connection)."""
+    async def gather() -> list[Any]:
+        return list(await asyncio.gather(*awaitables))
+
+    return asyncio.run_coroutine_threadsafe(gather(), _AsyncLoop.get()).result()
+
+
 def _start(fn: Callable[..., Any], arguments: dict[str, Any]) -> Future:
     """Start one call: async tools on the shared loop, sync ones on a daemon thread of their
     own (a tool that never returns leaves its thread behind, not the run waiting)."""

@@ -10,7 +10,6 @@ resumed run builds them afresh, as the uninterrupted run did at that step.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from mogrpo.config import TaskConfig
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError, DataError
 from mogrpo.rewards.base import load_spec
-from mogrpo.rollout.tools import tool_schema
+from mogrpo.rollout.tools import await_on_tool_loop, tool_schema
 
 _RESERVED = ("reset", "get_reward")
 
@@ -55,13 +54,13 @@ class EnvironmentReward:
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
         envs = kwargs.get("environments") or [None] * len(completions)
-        values = []
-        for env in envs:
-            if type(env) is not self.cls:
-                values.append(None)
-                continue
-            value = env.get_reward()
-            values.append(asyncio.run(value) if inspect.isawaitable(value) else value)
+        values = [env.get_reward() if type(env) is self.cls else None for env in envs]
+        # async ones together, on the loop their async tools ran on
+        waiting = [i for i, value in enumerate(values) if inspect.isawaitable(value)]
+        if waiting:
+            for i, value in zip(waiting, await_on_tool_loop([values[i] for i in waiting]),
+                                strict=True):
+                values[i] = value
         return values
 
 
