@@ -60,9 +60,10 @@ def drop(delay: float = 0.0) -> Behaviour:
     return Behaviour("drop", delay=delay)
 
 
-def echo_auth() -> Behaviour:
-    """HTTP 401 whose body echoes the Authorization header (as careless servers do)."""
-    return Behaviour("echo_auth", status=401)
+def echo_auth(code: int = 401) -> Behaviour:
+    """HTTP 401 whose body echoes the Authorization header (as careless servers do); with
+    code 200, a chat completion whose message echoes it (a debugging proxy, say)."""
+    return Behaviour("echo_auth", status=code)
 
 
 Default = Behaviour | Callable[[str], Behaviour]
@@ -197,6 +198,9 @@ def _handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 return
             if behaviour.kind == "malformed":
                 self._send(200, b'{"choices": [{"message": {"content": "5"')
+            elif behaviour.kind == "echo_auth" and behaviour.status == 200:
+                echoed = reply(f"you sent {self.headers.get('Authorization')}")
+                self._send(200, json.dumps(_completion(data, echoed)).encode())
             elif behaviour.kind == "echo_auth":
                 echoed = f"Incorrect API key provided: {self.headers.get('Authorization')}"
                 self._send(401, json.dumps({"error": {"message": echoed}}).encode())

@@ -40,6 +40,22 @@ def test_key_is_sent_but_never_stored_or_logged(tmp_path, monkeypatch, caplog):
     assert files and not any(KEY.encode() in f.read_bytes() for f in files)
 
 
+def test_a_reply_echoing_the_key_is_scrubbed_before_the_log_and_the_cache(tmp_path,
+                                                                          monkeypatch, caplog):
+    monkeypatch.setenv("MOGRPO_TEST_JUDGE_KEY", KEY)
+    with FaultServer(default=echo_auth(200)) as server:
+        options = judge_options(server.url)
+        options["providers"][0]["api_key_env"] = "MOGRPO_TEST_JUDGE_KEY"
+        with caplog.at_level(logging.DEBUG):
+            judge = JudgeReward.from_options(options, where="judge", cache_dir=tmp_path / "c")
+            assert judge(["q"], ["a"]) == [None]  # "you sent Bearer ***": no score in it
+            judge.close()
+    assert "unparseable judge reply 1/5 from primary" in caplog.text
+    assert "you sent Bearer ***" in caplog.text and KEY not in caplog.text
+    files = list((tmp_path / "c").iterdir())
+    assert files and not any(KEY.encode() in f.read_bytes() for f in files)
+
+
 def test_a_key_pasted_as_the_variable_name_is_refused_without_echo():
     options = judge_options("http://127.0.0.1:9/v1")
     options["providers"][0]["api_key_env"] = KEY

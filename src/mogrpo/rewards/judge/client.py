@@ -375,6 +375,8 @@ def _parse_body(raw: bytes, key: str) -> tuple[str | None, int | None]:
             transient=True) from None
     usage = data.get("usage") if isinstance(data, dict) else None
     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+    # an echoing server's reply would reach the unparseable-reply log and the cache file
+    content = _scrub(content, key) if content is not None else None
     return content, tokens if isinstance(tokens, int) else None
 
 
