@@ -41,3 +41,16 @@ def test_bad_judge_option_names_the_config_path(tmp_path):
     config, _ = load_config(None, [], environ={}, base=base(tmp_path, bad))
     with pytest.raises(MogrpoError, match=r"tasks\.fairness\.rewards\.1\.kwargs"):
         load_tasks(config)
+
+
+def test_a_fallback_that_needs_a_missing_column_is_refused_before_training(tmp_path):
+    # it would be called first when the judge fails, maybe hours into the run
+    rules = tmp_path / "rules.py"
+    rules.write_text("def exact(completions, solution, **kwargs):\n"
+                     "    return [float(c == s) for c, s in zip(completions, solution)]\n")
+    options = {**JUDGE, "fallback": f"{rules}:exact"}
+    config, _ = load_config(None, [], environ={}, base=base(tmp_path, options))
+    with pytest.raises(MogrpoError, match=r"tasks\.fairness\.rewards\.1\.kwargs\.fallback: "
+                                          r"reward 'exact' exact\(completions, solution, \*\*kwargs\)"
+                                          r" needs 'solution'"):
+        load_tasks(config)

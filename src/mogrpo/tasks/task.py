@@ -142,6 +142,11 @@ def load_tasks(config: RunConfig) -> list[Task]:
             # a rollout_func may return any field its rewards take (TRL's extra_fields)
             check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}",
                               fields_open=agent is not None and agent.rollout_func is not None)
+            if isinstance(fn, JudgeReward) and fn.fallback is not None:
+                # called with the judge's arguments, first when the judge fails mid-run
+                check_reward_call(*fn.fallback, columns,
+                                  where=f"tasks.{name}.rewards.{i}.kwargs.fallback",
+                                  fields_open=agent is not None and agent.rollout_func is not None)
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         for label, fn in agent.rewards() if agent is not None else []:
