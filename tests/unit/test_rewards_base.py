@@ -13,7 +13,7 @@ from mogrpo.config import RewardConfig
 from mogrpo.data.schema import Example
 from mogrpo.errors import RewardError
 from mogrpo.rewards import reward_label
-from mogrpo.rewards.base import BUILTIN_REWARDS, resolve_reward, score
+from mogrpo.rewards.base import BUILTIN_REWARDS, resolve_reward, score, score_examples
 from mogrpo.rewards.builtin import format_reward, length_penalty, mc_correct
 from mogrpo.rewards.code import code_tests
 from mogrpo.rewards.columns import reward_columns
@@ -86,6 +86,15 @@ def test_wrong_length_names_function_and_counts():
 def test_contract_violations(values, match):
     with pytest.raises(RewardError, match=match):
         score([("f", const(values), {})], PROMPTS, COMPLETIONS, {})
+
+
+def test_a_bad_score_names_the_data_row_of_its_completion():
+    examples = [Example("q1", {}, "train.jsonl:3"), Example("q2", {}, "train.jsonl:8")]
+    with pytest.raises(RewardError) as err:
+        score_examples([("f", const([1.0, 1.0, "yes", 0.0]), {})], [*examples, *examples],
+                       COMPLETIONS, torch.zeros(4, 1, dtype=torch.long), [1] * 4, [False] * 4)
+    assert str(err.value) == ("reward 'f' returned a str ('yes') at index 2 (data row "
+                              "train.jsonl:3); scores must be numbers, booleans or None")
 
 
 def test_exception_inside_a_function_is_named_and_chained():

@@ -195,8 +195,9 @@ def _where(e: BaseException) -> str:
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
-def _as_scores(name: str, result: Any, n: int) -> list[float]:
-    """Check one function's return value against the contract; None and NaN become NaN."""
+def _as_scores(name: str, result: Any, n: int, sources: list[str] | None = None) -> list[float]:
+    """Check one function's return value against the contract; None and NaN become NaN.
+    `sources` (each completion's data row, "file:row") are named in the errors."""
     if isinstance(result, torch.Tensor | np.ndarray):
         if result.ndim != 1:
             raise RewardError(
@@ -213,6 +214,7 @@ def _as_scores(name: str, result: Any, n: int) -> list[float]:
         raise RewardError(f"reward {name!r} returned {len(result)} values for {n} completions")
     scores = []
     for i, value in enumerate(result):
+        at = f"at index {i}" + (f" (data row {sources[i]})" if sources else "")
         if value is None:
             scores.append(math.nan)
             continue
@@ -222,14 +224,14 @@ def _as_scores(name: str, result: Any, n: int) -> list[float]:
             value = value.item()
         if not isinstance(value, numbers.Real):  # bool is an int, hence Real
             raise RewardError(
-                f"reward {name!r} returned a {type(value).__name__} ({value!r:.40}) at index "
-                f"{i}; scores must be numbers, booleans or None"
+                f"reward {name!r} returned a {type(value).__name__} ({value!r:.40}) {at}; "
+                "scores must be numbers, booleans or None"
             )
         value = float(value)
         if math.isinf(value):
             raise RewardError(
-                f"reward {name!r} returned {value} at index {i}; return None for a completion "
-                "that cannot be scored"
+                f"reward {name!r} returned {value} {at}; return None for a completion that "
+                "cannot be scored"
             )
         scores.append(value)
     return scores
@@ -432,13 +434,15 @@ def score(
     completion_ids: list[list[int]] | None = None,
     trainer_state: TrainerState | None = None,
     log: RewardLog | None = None,
+    sources: list[str] | None = None,
 ) -> torch.Tensor:
     """Scores of every completion under every reward: float32 `[B, J]`, NaN where unscored.
 
     Each `(name, fn, kwargs)` is called by keyword, as TRL calls it: `prompts`, `completions`,
     `completion_ids`, `trainer_state`, `log_extra`, `log_metric`, every column and its own
     `kwargs` (a function without **kwargs gets the ones it names). Async functions run
-    concurrently with each other and with the synchronous ones.
+    concurrently with each other and with the synchronous ones. `sources`: each
+    completion's data row ("file:row"), named when a score breaks the contract.
     """
     n = len(completions)
     for key, values in columns.items():
@@ -476,7 +480,7 @@ def score(
             raise _failure(fns[j][0], e) from e
     out = torch.full((n, len(fns)), math.nan, dtype=torch.float32)  # [B, J]
     for j, (name, _, _) in enumerate(fns):
-        values = _as_scores(name, results[j], n)
+        values = _as_scores(name, results[j], n, sources)
         if n:
             out[:, j] = torch.tensor(values, dtype=torch.float32)
     return out
@@ -510,4 +514,4 @@ def score_examples(
     prompts = [ex.prompt for ex in examples]
     ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths, strict=True)]
     return score(fns, prompts, as_completions(prompts, texts), columns, completion_ids=ids,
-                 trainer_state=trainer_state, log=log)
+                 trainer_state=trainer_state, log=log, sources=[ex.source for ex in examples])
