@@ -113,6 +113,22 @@ def test_an_async_tool_called_with_bad_arguments_gives_the_model_an_error():
         assert good.content == "6"
 
 
+def test_a_timeout_the_tool_raises_itself_is_its_error_not_a_timeout_of_the_call():
+    def fetch(url: str) -> str:
+        raise TimeoutError(f"connect to {url} timed out")  # socket.timeout is TimeoutError
+
+    async def afetch(url: str) -> str:
+        raise TimeoutError("read timed out")
+
+    tools = {"fetch": fetch, "afetch": afetch}
+    results = run_tool_calls([(tools, ToolCall("fetch", {"url": "x"})),
+                              (tools, ToolCall("afetch", {"url": "x"}))], timeout_s=10)
+    assert [r.content for r in results] == [
+        "error: fetch raised TimeoutError: connect to x timed out",
+        "error: afetch raised TimeoutError: read timed out"]
+    assert [(r.error, r.timed_out) for r in results] == [(True, False)] * 2
+
+
 def test_calls_of_a_batch_run_concurrently():
     tools = {"slow": slow}
     start = time.monotonic()

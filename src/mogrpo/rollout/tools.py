@@ -230,10 +230,12 @@ def _result(call: ToolCall, future: Future, wait: float, timeout_s: float) -> To
     names)."""
     try:
         return ToolResult(call.name, _content(future.result(timeout=wait)))
-    except TimeoutError:
-        future.cancel()
-        return ToolResult(call.name, f"error: {call.name} timed out after {timeout_s:g} s",
-                          error=True, timed_out=True)
     except Exception as err:  # noqa: BLE001 - the model reads what went wrong
+        # a TimeoutError the tool raised itself (a socket timeout) is its error, not ours
+        raised = future.done() and not future.cancelled() and future.exception() is err
+        if isinstance(err, TimeoutError) and not raised:
+            future.cancel()
+            return ToolResult(call.name, f"error: {call.name} timed out after {timeout_s:g} s",
+                              error=True, timed_out=True)
         return ToolResult(call.name, f"error: {call.name} raised {type(err).__name__}: {err}",
                           error=True)
