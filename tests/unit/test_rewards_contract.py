@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
@@ -155,6 +156,22 @@ def test_async_failure_names_the_function():
 
     with pytest.raises(RewardError, match=r"reward 'broken' raised TimeoutError: judge timed out"):
         score([("broken", broken, {})], ["p"], ["a"], {})
+
+
+def test_a_failing_sync_function_cancels_the_async_ones_already_started():
+    finished = threading.Event()
+
+    async def paid(completions, **kwargs):  # an API judge: each call costs money
+        await asyncio.sleep(0.3)
+        finished.set()
+        return [1.0] * len(completions)
+
+    def broken(completions, **kwargs):
+        raise ValueError("bad column")
+
+    with pytest.raises(RewardError, match=r"reward 'broken' raised ValueError: bad column"):
+        score([("paid", paid, {}), ("broken", broken, {})], ["p"], ["a"], {})
+    assert not finished.wait(1.0)  # not left running after the step failed
 
 
 def test_async_function_works_inside_a_running_event_loop():

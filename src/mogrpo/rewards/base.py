@@ -466,6 +466,8 @@ def score(
         try:
             result = call_reward(fn, arguments)
         except Exception as e:
+            for _, other in pending:  # the async ones started so far would run on unseen
+                other.cancel()
             raise _failure(name, e) from e
         if inspect.isawaitable(result):  # runs on the loop while the next ones are called
             pending.append((j, asyncio.run_coroutine_threadsafe(_awaited(result), _event_loop())))
