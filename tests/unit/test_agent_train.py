@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mogrpo.errors import ConfigError, MogrpoError
+from mogrpo.rewards.base import load_spec
 
 
 def calculator(expression: str) -> str:
@@ -45,6 +46,14 @@ class Counter:
 
 def some_reward(prompts, completions, **kwargs) -> list[float]:
     return [float(len(c) % 3) for c in completions]
+
+
+PROMPTS_SEEN: list = []
+
+
+def prompt_seen(prompts, completions, start, **kwargs) -> list[float]:
+    PROMPTS_SEEN.extend(zip(prompts, start, strict=True))
+    return [0.0] * len(completions)
 
 
 def _config(tmp_path, tiny_model_dir, engine: str, **task):
@@ -107,6 +116,19 @@ def test_a_step_with_tools_and_an_environment(tmp_path, tiny_model_dir, engine):
         sum(e.count for e in envs) / 4)
     assert metrics["task/calc/agent/tokens_generated"] + \
         metrics["task/calc/agent/tokens_inserted"] == pytest.approx(float(rollout.lengths.float().mean()))
+
+
+def test_rewards_see_the_prompt_with_the_text_its_environment_added(tmp_path, tiny_model_dir):
+    # as TRL passes it: a judge of the answer must see what the policy was asked
+    config = _config(tmp_path, tiny_model_dir, "hf", environment=f"{__file__}:Counter",
+                     max_tool_calling_iterations=1)
+    config.tasks["calc"].rewards[0].fn = f"{__file__}:prompt_seen"
+    seen = load_spec(f"{__file__}:PROMPTS_SEEN", "list")  # this file as the run loads it
+    seen.clear()
+    _step(config)
+    assert len(seen) == 4
+    for prompt, start in seen:
+        assert prompt == f"What is {start} + {start + 1}? (start at {start})"
 
 
 def test_bad_tool_specs_fail_before_a_model_loads(tmp_path, tiny_model_dir):

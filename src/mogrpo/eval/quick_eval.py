@@ -13,7 +13,7 @@ from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
 from mogrpo.rollout.generate import Rollout, SamplingSettings, generate_rollout
 from mogrpo.rollout.projections import held_projections
-from mogrpo.tasks.agent_rollout import agent_rollout, reward_extras
+from mogrpo.tasks.agent_rollout import agent_rollout, reward_examples, reward_extras
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tracking import names
 from mogrpo.tracking.jsonl import MetricsWriter
@@ -91,7 +91,8 @@ def _evaluate(ctx: TrainContext, batch_size: int, samples: int, step: int,
             indexes = mine[start:start + batch_size]
             chunk = [examples[i] for i in indexes]
             texts, rollout = _greedy_rollout(ctx, t, chunk, greedy)
-            values = score_examples([fn], chunk, rollout.texts, rollout.completion_ids,
+            seen = reward_examples(rollout, list(range(len(chunk))), chunk)
+            values = score_examples([fn], seen, rollout.texts, rollout.completion_ids,
                                     rollout.lengths.tolist(), rollout.truncated.tolist(),
                                     trainer_state=state, extra_columns=reward_extras(
                                         task, rollout, list(range(len(chunk))), chunk))

@@ -66,6 +66,8 @@ class Episode:
     timeouts: Counter = field(default_factory=Counter)
     environment: Any = None
     """The row's environment instance (a task's `environment`), for its reward."""
+    observation: str | None = None
+    """The text its environment's `reset` added to the row's prompt (None: nothing)."""
 
     @property
     def inserted(self) -> int:

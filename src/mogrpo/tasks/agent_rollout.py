@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,8 +53,9 @@ def agent_rollout(ctx: TrainContext, task: Task, examples: list[Example], *,
         max_prompt_length=rc.prompt_length, add_special_tokens=add_special, engine=ctx.engine,
         generation_batch_size=generation_batch_size, record_logprobs=record_logprobs,
         plain_max_bytes=ctx.plain_max_bytes)
-    for episode, env in zip(rollout.episodes or [], started.environments, strict=True):
-        episode.environment = env
+    for episode, env, observation in zip(rollout.episodes or [], started.environments,
+                                         started.observations, strict=True):
+        episode.environment, episode.observation = env, observation
     return rollout
 
 
@@ -94,6 +95,21 @@ def environments_of(rollout: Rollout, rows: list[int]) -> list[Any]:
     episodes = rollout.episodes or []
     return [episodes[r].environment if r < len(episodes) and episodes[r] is not None else None
             for r in rows]
+
+
+def reward_examples(rollout: Rollout, rows: list[int], examples: list[Example]
+                    ) -> list[Example]:
+    """The examples of `rows` as their reward functions see them: each prompt with the text
+    its environment's `reset` added, the prompt the policy answered (TRL passes its rewards
+    that prompt too)."""
+    episodes = rollout.episodes or []
+    seen = []
+    for r, example in zip(rows, examples, strict=True):
+        episode = episodes[r] if r < len(episodes) else None
+        observation = episode.observation if episode is not None else None
+        seen.append(replace(example, prompt=with_observation(example.prompt, observation))
+                    if observation else example)
+    return seen
 
 
 def reward_extras(task: Task, rollout: Rollout, rows: list[int], examples: list[Example]

@@ -29,7 +29,12 @@ from mogrpo.rollout.batching import (
     select_groups,
 )
 from mogrpo.rollout.generate import Rollout, generate_rollout
-from mogrpo.tasks.agent_rollout import agent_metrics, agent_rollout, reward_extras
+from mogrpo.tasks.agent_rollout import (
+    agent_metrics,
+    agent_rollout,
+    reward_examples,
+    reward_extras,
+)
 from mogrpo.tasks.context import TrainContext, render_prompts
 from mogrpo.tasks.curriculum import Curriculum
 from mogrpo.tasks.task import TaskMixer, judges
@@ -177,7 +182,8 @@ class GRPOTrainer(UpdatePhases):
             if not groups:
                 continue
             rows = [g * K + k for g in groups for k in range(K)]
-            examples = [picks[g][1] for g in groups for _ in range(K)]
+            examples = reward_examples(rollout, rows,
+                                       [picks[g][1] for g in groups for _ in range(K)])
             log = RewardLog()
             values = score_examples(
                 task.reward_fns, examples,
