@@ -238,3 +238,39 @@ def test_async_get_rewards_await_what_async_tools_started_all_at_once():
     scores = EnvironmentReward(Job)([None] * 7, [""] * 7, environments=[*envs, None])
     assert scores == [1.0] * 6 + [None]
     assert time.monotonic() - begin < 1.2  # together: one job's time, not six
+
+
+class Sized:
+    def __init__(self, size: int):
+        self.size = size
+
+    def reset(self, **row) -> None:
+        return None
+
+
+class NeedsBoard:
+    def reset(self, **row) -> str:
+        return row["board"]
+
+
+def test_an_environment_that_cannot_be_made_or_reset_is_named_with_its_row():
+    from mogrpo.config import TaskConfig
+    from mogrpo.data.schema import Example
+    from mogrpo.errors import RewardError
+    from mogrpo.tasks.agents import Agent, start_episodes
+
+    def task(env: str) -> TaskConfig:
+        return TaskConfig.model_validate({"data": "rows.jsonl", "rewards": ["format"],
+                                          "environment": f"{__file__}:{env}"})
+
+    with pytest.raises(ConfigError) as err:  # before any model loads
+        Agent.from_config("maze", task("Sized"))
+    assert str(err.value).startswith(
+        "tasks.maze.environment: Sized() raised TypeError: Sized.__init__() missing 1 required "
+        "positional argument: 'size'; an environment class is made with no arguments")
+    agent = Agent.from_config("maze", task("NeedsBoard"))
+    with pytest.raises(RewardError) as err:  # mid-run: whose code, which row
+        start_episodes(agent, [Example("Solve it.", {}, "mazes.jsonl:7")])
+    assert str(err.value).startswith("task maze: NeedsBoard.reset() raised KeyError: 'board' "
+                                     "on row mazes.jsonl:7 (at ")
+    assert "test_tools.py:" in str(err.value)

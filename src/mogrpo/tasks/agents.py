@@ -11,13 +11,14 @@ resumed run builds them afresh, as the uninterrupted run did at that step.
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mogrpo.config import TaskConfig
 from mogrpo.data.schema import Example
-from mogrpo.errors import ConfigError, DataError
+from mogrpo.errors import ConfigError, DataError, RewardError
 from mogrpo.rewards.base import load_spec
 from mogrpo.rollout.tools import await_on_tool_loop, tool_schema
 
@@ -32,6 +33,24 @@ def _resolve(spec: Any, what: str, where: str) -> Any:
         raise ConfigError(f"{where}: {spec!r} is a {type(obj).__name__}, not a class; give "
                           "the environment's class (one instance is made per rollout)")
     return obj
+
+
+def _raised_at(err: BaseException) -> str:
+    """Where in the user's code `err` was raised (the frames past the call made here)."""
+    frames = traceback.extract_tb(err.__traceback__)[1:]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _instance(env_cls: type, where: str) -> Any:
+    """An instance of an environment class, made as TRL's `environment_factory` is called."""
+    try:
+        return env_cls()
+    except Exception as err:
+        raise ConfigError(
+            f"{where}: {env_cls.__name__}() raised {type(err).__name__}: {err}{_raised_at(err)}; an "
+            "environment class is made with no arguments, one instance per rollout (TRL's "
+            "environment_factory): give its parameters defaults, or read them from the row in "
+            "reset(**row)") from err
 
 
 def environment_methods(cls: type) -> list[str]:
@@ -101,7 +120,7 @@ class Agent:
             if not callable(getattr(env_cls, "reset", None)):
                 raise ConfigError(f"{where}: {env_cls.__name__} has no `reset` method; an "
                                   "environment must define reset(self, **kwargs)")
-            probe = agent._probes.setdefault(env_cls, env_cls())
+            probe = agent._probes.setdefault(env_cls, _instance(env_cls, where))
             for name in environment_methods(env_cls):
                 tool_schema(getattr(probe, name), f"{where} ({env_cls.__name__}.{name})")
             agent.environments[key] = env_cls
@@ -158,14 +177,19 @@ def start_episodes(agent: Agent, examples: list[Example]) -> Rollouts:
     envs, tools, observations = [], [], []
     for example in examples:
         env_cls = agent.environment_of(example)
-        env = env_cls() if env_cls is not None else None
+        env = _instance(env_cls, f"task {agent.task}") if env_cls is not None else None
         row_tools = dict(agent.tools)
         observation = None
         if env is not None:
             row = {"prompt": example.prompt, **example.columns}
             if None not in agent.environments:
                 row.pop("environment", None)
-            observation = env.reset(**row)
+            try:
+                observation = env.reset(**row)
+            except Exception as err:  # the user's code: say whose, and on which row
+                raise RewardError(
+                    f"task {agent.task}: {env_cls.__name__}.reset() raised {type(err).__name__}: "
+                    f"{err} on row {example.source}{_raised_at(err)}") from err
             row_tools.update({n: getattr(env, n) for n in environment_methods(type(env))})
         envs.append(env)
         tools.append(row_tools)
