@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import select
+import signal
 import threading
 import time
 
@@ -172,6 +175,30 @@ def test_a_failing_sync_function_cancels_the_async_ones_already_started():
     with pytest.raises(RewardError, match=r"reward 'broken' raised ValueError: bad column"):
         score([("paid", paid, {}), ("broken", broken, {})], ["p"], ["a"], {})
     assert not finished.wait(1.0)  # not left running after the step failed
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_async_functions_work_in_a_forked_child():
+    # the child inherits the parent's loop object but not the thread that runs it
+    async def one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    assert score([("one", one, {})], ["p"], ["a"], {}).tolist() == [[1.0]]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: score, report, leave without running the parent's cleanup
+        try:
+            got = score([("one", one, {})], ["p", "p"], ["a", "b"], {}).tolist()
+            os.write(write, repr(got).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 10)
+    answer = os.read(read, 100).decode() if ready else "no answer within 10 s"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert answer == "[[1.0], [1.0]]"
 
 
 def test_async_function_works_inside_a_running_event_loop():

@@ -4,6 +4,9 @@ Llama 3.1 forms, and calls run with errors and timeouts given to the model as te
 from __future__ import annotations
 
 import asyncio
+import os
+import select
+import signal
 import threading
 import time
 
@@ -127,6 +130,27 @@ def test_a_timeout_the_tool_raises_itself_is_its_error_not_a_timeout_of_the_call
         "error: fetch raised TimeoutError: connect to x timed out",
         "error: afetch raised TimeoutError: read timed out"]
     assert [(r.error, r.timed_out) for r in results] == [(True, False)] * 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_async_tools_run_in_a_forked_child():
+    # the child inherits the parent's tool loop but not the thread that runs it
+    call = [({"lookup": lookup}, ToolCall("lookup", {"key": "k"}))]
+    assert run_tool_calls(call, timeout_s=5)[0].content == '{"key": "k", "value": 0}'
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: call, report, leave without running the parent's cleanup
+        try:
+            os.write(write, run_tool_calls(call, timeout_s=2)[0].content.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 10)
+    answer = os.read(read, 200).decode() if ready else "no answer within 10 s"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert answer == '{"key": "k", "value": 0}'
 
 
 def test_calls_of_a_batch_run_concurrently():

@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import math
 import numbers
+import os
 import re
 import sys
 import threading
@@ -401,15 +402,17 @@ def call_reward(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
 
 _loop_lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_loop_pid: int | None = None
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
     """One event loop on a daemon thread for every async reward function: it works the same
     whether or not the caller already runs a loop (a notebook does)."""
-    global _loop
+    global _loop, _loop_pid
     with _loop_lock:
-        if _loop is None or _loop.is_closed():
-            _loop = asyncio.new_event_loop()
+        # a forked child inherits the loop but not its thread: it would wait forever
+        if _loop is None or _loop.is_closed() or _loop_pid != os.getpid():
+            _loop, _loop_pid = asyncio.new_event_loop(), os.getpid()
             threading.Thread(target=_loop.run_forever, name="mogrpo-async-rewards",
                              daemon=True).start()
         return _loop

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import re
 import threading
 import time
@@ -146,12 +147,14 @@ class _AsyncLoop:
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
+    _pid: int | None = None
 
     @classmethod
     def get(cls) -> asyncio.AbstractEventLoop:
         with cls._lock:
-            if cls._loop is None:
-                cls._loop = asyncio.new_event_loop()
+            # a forked child inherits the loop but not its thread: every call would time out
+            if cls._loop is None or cls._pid != os.getpid():
+                cls._loop, cls._pid = asyncio.new_event_loop(), os.getpid()
                 threading.Thread(target=cls._loop.run_forever, name="mogrpo-tools",
                                  daemon=True).start()
             return cls._loop
