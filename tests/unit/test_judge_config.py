@@ -54,3 +54,19 @@ def test_a_fallback_that_needs_a_missing_column_is_refused_before_training(tmp_p
                                           r"reward 'exact' exact\(completions, solution, \*\*kwargs\)"
                                           r" needs 'solution'"):
         load_tasks(config)
+
+
+def test_two_objectives_with_one_name_are_refused(tmp_path):
+    # two judges without `name` would share metrics, a completions-log column, and the
+    # checkpointed budget of only one of them
+    config, _ = load_config(None, [], environ={}, base=base(tmp_path, JUDGE))
+    config.tasks["fairness"].rewards[0] = config.tasks["fairness"].rewards[1].model_copy(
+        update={"name": None})
+    config.tasks["fairness"].rewards[1] = config.tasks["fairness"].rewards[1].model_copy(
+        update={"name": None})
+    with pytest.raises(MogrpoError) as err:
+        load_tasks(config)
+    assert str(err.value) == (
+        "tasks.fairness.rewards.1: objective 'judge' has the name of tasks.fairness.rewards.0; "
+        "each objective needs its own (metrics, the completions log and a judge's budget are "
+        "kept by name): set `name` on one of them")

@@ -124,7 +124,7 @@ class RewardConfig(Section):
     """Weight of this objective in the advantage: a number, or a schedule
     `{kind: linear, start: 0.0, end: 1.0, start_step: 0, end_step: 100}`."""
     name: str | None = None
-    """Name used in metrics; defaults to the function's name."""
+    """Name used in metrics; defaults to the function's name. A task's objectives need distinct names."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed to the function on every call."""
 

@@ -20,7 +20,7 @@ from mogrpo.config.machine import SANDBOXED_REWARDS
 from mogrpo.data.problems import ProblemLog
 from mogrpo.data.schema import Example, parse_examples, split_examples
 from mogrpo.data.sources import ExampleStream, is_streaming, load_records, open_stream
-from mogrpo.errors import DataError, RewardError
+from mogrpo.errors import ConfigError, DataError, RewardError
 from mogrpo.rewards.base import check_positional_only, check_reward_call, resolve_reward
 from mogrpo.rewards.judge import JudgeReward
 from mogrpo.rewards.reward_model import RewardModelReward
@@ -118,6 +118,19 @@ def _named(task: str, i: int, reward: RewardConfig, config: RunConfig
         raise RewardError(f"{where}.fn: {err}") from err
 
 
+def _check_labels(task: str, labels: list[str], configured: int) -> None:
+    """Each objective of a task needs a name of its own: its metrics, its completions-log
+    column and a judge's stats and checkpointed budget are keyed by it (two `fn: judge`
+    without `name` would share one)."""
+    for i, label in enumerate(labels):
+        if label in labels[:i]:
+            where = f"tasks.{task}.rewards.{i}" if i < configured else f"tasks.{task}.environment"
+            raise ConfigError(
+                f"{where}: objective {label!r} has the name of tasks.{task}.rewards."
+                f"{labels.index(label)}; each objective needs its own (metrics, the completions "
+                "log and a judge's budget are kept by name): set `name` on one of them")
+
+
 def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
     """Every judge reward of the run, keyed `task/label`."""
     return {f"{t.name}/{label}": fn for t in tasks for label, fn, _ in t.reward_fns
@@ -152,6 +165,7 @@ def load_tasks(config: RunConfig) -> list[Task]:
         for label, fn in agent.rewards() if agent is not None else []:
             fns.append((label, fn, {}))  # an environment's get_reward(): weight 1, as in TRL
             schedules.append(from_config(1.0, where=f"tasks.{name}.environment"))
+        _check_labels(name, [label for label, _, _ in fns], len(tc.rewards))
         tasks.append(Task(name, tc, train, held_out, fns, schedules, stream, agent))
         log.debug("task %s: %s train / %d eval prompts, rewards %s", name,
                   "streamed" if stream else len(train), len(held_out),
