@@ -25,6 +25,7 @@ from mogrpo.rewards.base import check_positional_only, check_reward_call, resolv
 from mogrpo.rewards.judge import JudgeReward
 from mogrpo.rewards.reward_model import RewardModelReward
 from mogrpo.tasks.agents import Agent
+from mogrpo.trainer.distributed import Dist
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,10 @@ def load_tasks(config: RunConfig) -> list[Task]:
             fns.append((label, fn, {}))  # an environment's get_reward(): weight 1, as in TRL
             schedules.append(from_config(1.0, where=f"tasks.{name}.environment"))
         _check_labels(name, [label for label, _, _ in fns], len(tc.rewards))
+        dist = Dist.current()
+        for _, fn, _ in fns if dist.world_size > 1 else []:
+            if isinstance(fn, JudgeReward):  # each process judges its own completions
+                fn.budget.share(dist.rank, dist.world_size)
         tasks.append(Task(name, tc, train, held_out, fns, schedules, stream, agent))
         log.debug("task %s: %s train / %d eval prompts, rewards %s", name,
                   "streamed" if stream else len(train), len(held_out),

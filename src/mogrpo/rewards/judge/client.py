@@ -135,6 +135,15 @@ class Budget:
             self.calls += 1
             return True
 
+    def share(self, rank: int, processes: int) -> None:
+        """Keep this process's part of the run's caps when `processes` processes each judge
+        their own completions: an even split (the first ones take the remainder), so that
+        together they send no more than the run's caps."""
+        def part(cap: int | None) -> int | None:
+            return None if cap is None else cap // processes + int(rank < cap % processes)
+
+        self.max_calls, self.max_tokens = part(self.max_calls), part(self.max_tokens)
+
     def add_tokens(self, n: int) -> None:
         with self._lock:
             self.tokens += n
