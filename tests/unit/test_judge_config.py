@@ -83,3 +83,18 @@ def test_each_process_keeps_its_share_of_the_run_budget(tmp_path, monkeypatch, r
     config, _ = load_config(None, [], environ={}, base=base(tmp_path, options))
     budget = judges(load_tasks(config))["fairness/judge"].budget
     assert (budget.max_calls, budget.max_tokens) == (calls, tokens)
+
+
+def test_judge_counts_of_several_processes_add_up(monkeypatch):
+    # each process judges its own completions: the step made all their calls, paid all of it
+    from mogrpo.trainer.distributed import Dist
+
+    p = "task/fairness/judge/judge"
+    parts = [{f"{p}/calls": 8.0, f"{p}/failed": 1.0, f"{p}/errors/timeout": 1.0,
+              f"{p}/budget/calls": 40.0, f"{p}/failed_frac": 0.125, f"{p}/wall_s": 2.0},
+             {f"{p}/calls": 8.0, f"{p}/failed": 3.0, f"{p}/errors/timeout": 0.0,
+              f"{p}/budget/calls": 38.0, f"{p}/failed_frac": 0.375, f"{p}/wall_s": 4.0}]
+    monkeypatch.setattr(Dist, "gather", lambda self, value: parts)
+    assert Dist(0, 2).reduce_metrics(parts[0]) == {
+        f"{p}/calls": 16.0, f"{p}/failed": 4.0, f"{p}/errors/timeout": 1.0,
+        f"{p}/budget/calls": 78.0, f"{p}/failed_frac": 0.25, f"{p}/wall_s": 3.0}

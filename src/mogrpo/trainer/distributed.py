@@ -65,7 +65,8 @@ class Dist:
     def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """One step's metrics from every process, combined the same way in each of them.
 
-        Counts and the loss (each process's part of one sum) add up, timings and memory take
+        Counts and the loss (each process's part of one sum; a judge's calls, failures and
+        budget spent) add up, timings and memory take
         the slowest process, settings every process shares (step, lr, β, weights) keep
         theirs, and everything else — means over a process's completions — is averaged over
         the processes that report it.
@@ -82,7 +83,7 @@ class Dist:
             numbers = [v for v in values if isinstance(v, int | float)]
             if len(numbers) != len(values) or key in _SHARED or key.endswith(_SHARED_SUFFIXES):
                 out[key] = values[0]
-            elif key in _SUMMED:
+            elif key in _SUMMED or _judge_count(key):
                 out[key] = sum(numbers)
             elif key in _LARGEST:
                 out[key] = max(numbers)
@@ -111,6 +112,16 @@ _SHARED = {names.STEP, names.LR, names.GRAD_NORM, names.UPDATE_NORM, names.SKIPP
 _SHARED_SUFFIXES = ("/" + names.TASK_BETA.suffix, "/" + names.OBJECTIVE_WEIGHT.stat)
 _LARGEST = {names.TIME_ROLLOUT, names.TIME_REWARD, names.TIME_UPDATE, names.TIME_STEP,
             names.PEAK_GIB}
+_JUDGE_AVERAGED = ("/failed_frac", "/cache_frac", "/wall_s", "/latency_p50_s",
+                   "/latency_p95_s")
+
+
+def _judge_count(key: str) -> bool:
+    """A judge's count (`task/T/judge/L/calls`, `.../errors/timeout`, `.../budget/calls`):
+    each process judges its own completions, so the counts add up (fractions, times do not)."""
+    parts = key.split("/")
+    return len(parts) >= 5 and parts[0] + "/" == names.TASK_PREFIX and parts[2] == "judge" \
+        and not key.endswith(_JUDGE_AVERAGED)
 
 
 def weights_checksum(model: torch.nn.Module) -> float:
