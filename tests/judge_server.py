@@ -33,15 +33,16 @@ class Behaviour:
     """What the server does with one request, after waiting `delay` seconds."""
 
     kind: str  # "reply", "status", "malformed", "drop", "echo_auth"
-    text: str = ""
+    text: str | None = ""  # None: a reply whose message content is null
     status: int = 200
     retry_after: str | None = None
     delay: float = 0.0
     tokens: int = 10
 
 
-def reply(text: str, delay: float = 0.0, tokens: int = 10) -> Behaviour:
-    """A valid chat completion whose message content is `text`."""
+def reply(text: str | None, delay: float = 0.0, tokens: int = 10) -> Behaviour:
+    """A valid chat completion whose message content is `text` (None: null, as a reasoning
+    model cut off by max_tokens sends)."""
     return Behaviour("reply", text=text, delay=delay, tokens=tokens)
 
 

@@ -118,6 +118,17 @@ def test_unparseable_reply_is_none_not_retried_and_logged_verbatim(primary, capl
     assert repr(long_reply[:201]) not in logged[0]
 
 
+def test_a_reply_with_null_content_is_unparseable_and_logged(primary, caplog):
+    # a reasoning model that spent max_tokens thinking answers content: null
+    primary.default = reply(None)
+    judge = make_judge(primary.url)
+    with caplog.at_level(logging.WARNING, logger="mogrpo.rewards.judge"):
+        assert judge(["q"], ["a"]) == [None]
+    stats = judge.last_stats()
+    assert (stats["failed"], stats["unparseable"], primary.calls) == (1, 1, 1)
+    assert "unparseable judge reply 1/5 from primary (parser number): ''" in caplog.text
+
+
 def test_only_the_first_n_unparseable_replies_are_logged(primary, caplog):
     primary.default = reply("no idea")
     judge = make_judge(primary.url, log_unparseable=2)

@@ -235,7 +235,7 @@ class JudgeClient:
                 return outcome
         return outcome
 
-    async def _post(self, provider: Provider, body: dict[str, Any]) -> tuple[str | None, int | None]:
+    async def _post(self, provider: Provider, body: dict[str, Any]) -> tuple[str, int | None]:
         """One chat-completions request; returns (choices[0].message.content, total tokens)."""
         import openai
 
@@ -370,12 +370,15 @@ def _status_failure(response: Any, key: str) -> _Failure:
     return _Failure("http_4xx", detail, transient=False, status=code)
 
 
-def _parse_body(raw: bytes, key: str) -> tuple[str | None, int | None]:
+def _parse_body(raw: bytes, key: str) -> tuple[str, int | None]:
     try:
         data = json.loads(raw)
         message = data["choices"][0]["message"]
+        # null (a reasoning model cut off by max_tokens): a reply with no score in it, counted
+        # and logged as unparseable, not a failure nothing explains
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
+        content = "" if content is None else content
+        if not isinstance(content, str):
             raise TypeError(f"message.content is a {type(content).__name__}")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
         snippet = _scrub(raw[:120].decode("utf-8", "replace"), key)
@@ -385,8 +388,7 @@ def _parse_body(raw: bytes, key: str) -> tuple[str | None, int | None]:
     usage = data.get("usage") if isinstance(data, dict) else None
     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
     # an echoing server's reply would reach the unparseable-reply log and the cache file
-    content = _scrub(content, key) if content is not None else None
-    return content, tokens if isinstance(tokens, int) else None
+    return _scrub(content, key), tokens if isinstance(tokens, int) else None
 
 
 def _retry_after(value: str | None, millis: str | None = None) -> float | None:
