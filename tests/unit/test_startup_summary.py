@@ -49,3 +49,17 @@ def test_summary_of_a_file_task_and_a_streamed_dataset_task():
         "step as memory/peak_gib)",
         "  output   runs/x",
     ]
+
+
+def test_a_resumed_run_shows_the_weights_its_next_step_uses():
+    from mogrpo.algo.schedules import from_config
+
+    cfg = config(fairness={"data": "data/fair.tsv", "rewards": ["mc_correct"]})
+    ramp = from_config({"kind": "linear", "start": 0.0, "end": 1.0, "start_step": 0,
+                        "end_step": 200})
+    rows = [Example("q", {}, f"f:{i}") for i in range(3)]
+    tasks = [Task("fairness", cfg.tasks["fairness"], rows, [], [("mc_correct", None, {})],
+                  [ramp])]
+    lines = startup_summary(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), tasks, None,
+                            Path("runs/x"), 150).splitlines()
+    assert "    rewards mc_correct ×0.75; β 0.04 (fixed)" in lines

@@ -37,11 +37,12 @@ def _kl(task: Task) -> str:
     return "fixed"
 
 
-def _task_lines(tasks: list[Task]) -> list[str]:
+def _task_lines(tasks: list[Task], step: int) -> list[str]:
     lines = []
     for task in tasks:
+        # the weights of the first step run: a resumed run's scheduled ones have moved on
         rewards = ", ".join(f"{label} ×{weight:g}" for label, weight in
-                            zip(task.reward_labels, task.reward_weights(0), strict=True))
+                            zip(task.reward_labels, task.reward_weights(step), strict=True))
         rows = "streamed" if task.stream is not None else f"{len(task.train):,}"
         lines += [f"  task {task.name}: {rows} train / {len(task.eval):,} eval rows "
                   f"from {_source(task.config.data)}, share {task.config.weight:g}",
@@ -87,7 +88,7 @@ def startup_summary(config: RunConfig, policy: torch.nn.Module, device: torch.de
         f"  model    {config.model.name_or_path} — {_training(config)}",
         f"  params   {trainable:,} trainable of {total:,} ({trainable / max(total, 1):.2%})",
         f"  device   {device}, {dtype}{checkpointing}",
-        *_task_lines(tasks),
+        *_task_lines(tasks, start_step),
         _steps(config, start_step),
         *(f"  limits   {key} {note}" for key, note in config.limit_notes.items()),
         f"  memory   {memory}",
