@@ -298,3 +298,16 @@ def test_an_environment_that_cannot_be_made_or_reset_is_named_with_its_row():
     assert str(err.value).startswith("task maze: NeedsBoard.reset() raised KeyError: 'board' "
                                      "on row mazes.jsonl:7 (at ")
     assert "test_tools.py:" in str(err.value)
+
+
+def test_an_async_reward_function_awaits_what_an_async_tool_started():
+    from mogrpo.rewards.base import score
+
+    async def finished(completions, environments, **kwargs):  # a TRL-style reward of the task
+        return [await env.job for env in environments]
+
+    envs = [Job() for _ in range(3)]
+    run_tool_calls([({"start": e.start}, ToolCall("start", {"seconds": 0.2})) for e in envs],
+                   timeout_s=5)
+    got = score([("finished", finished, {})], ["p"] * 3, ["a"] * 3, {"environments": envs})
+    assert got[:, 0].tolist() == [1.0] * 3

@@ -21,7 +21,6 @@ import importlib.util
 import inspect
 import math
 import numbers
-import os
 import re
 import sys
 import threading
@@ -47,6 +46,7 @@ from mogrpo.rewards.builtin import (
 from mogrpo.rewards.code import code_options, code_tests
 from mogrpo.rewards.columns import reward_columns
 from mogrpo.rewards.verilog import verilog_options, verilog_tests
+from mogrpo.user_loop import user_loop
 
 BUILTIN_REWARDS: dict[str, Callable[..., list]] = {
     "mc_correct": mc_correct,
@@ -400,22 +400,10 @@ def call_reward(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
     return fn(**arguments)
 
 
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_pid: int | None = None
-
-
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop on a daemon thread for every async reward function: it works the same
-    whether or not the caller already runs a loop (a notebook does)."""
-    global _loop, _loop_pid
-    with _loop_lock:
-        # a forked child inherits the loop but not its thread: it would wait forever
-        if _loop is None or _loop.is_closed() or _loop_pid != os.getpid():
-            _loop, _loop_pid = asyncio.new_event_loop(), os.getpid()
-            threading.Thread(target=_loop.run_forever, name="mogrpo-async-rewards",
-                             daemon=True).start()
-        return _loop
+    """The loop every async reward function runs on: the one async tools and environments'
+    `get_reward` run on too (`mogrpo.user_loop`), as they may share what is bound to it."""
+    return user_loop()
 
 
 async def _awaited(awaitable: Any) -> Any:

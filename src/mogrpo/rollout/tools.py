@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import os
 import re
 import threading
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mogrpo.errors import ConfigError
+from mogrpo.user_loop import user_loop
 
 ToolFormat = Literal["auto", "hermes", "llama3"]
 TOOL_FORMATS: tuple[str, ...] = ("auto", "hermes", "llama3")
@@ -142,34 +142,6 @@ def _content(value: Any) -> str:
         return str(value)
 
 
-class _AsyncLoop:
-    """One event loop on a daemon thread, for the async tools of every call."""
-
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-    _pid: int | None = None
-
-    @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
-        with cls._lock:
-            # a forked child inherits the loop but not its thread: every call would time out
-            if cls._loop is None or cls._pid != os.getpid():
-                cls._loop, cls._pid = asyncio.new_event_loop(), os.getpid()
-                threading.Thread(target=cls._loop.run_forever, name="mogrpo-tools",
-                                 daemon=True).start()
-            return cls._loop
-
-
-def await_on_tool_loop(awaitables: Sequence[Any]) -> list[Any]:
-    """Await `awaitables` together on the loop the async tools run on, from any thread (one
-    with a running loop too); their results in order. An environment's async `get_reward` may
-    await what its async tools started there (a task, a client's connection)."""
-    async def gather() -> list[Any]:
-        return list(await asyncio.gather(*awaitables))
-
-    return asyncio.run_coroutine_threadsafe(gather(), _AsyncLoop.get()).result()
-
-
 def _start(fn: Callable[..., Any], arguments: dict[str, Any]) -> Future:
     """Start one call: async tools on the shared loop, sync ones on a daemon thread of their
     own (a tool that never returns leaves its thread behind, not the run waiting)."""
@@ -180,7 +152,7 @@ def _start(fn: Callable[..., Any], arguments: dict[str, Any]) -> Future:
         except Exception as err:  # noqa: BLE001 - the model reads what went wrong
             future.set_exception(err)
             return future
-        return asyncio.run_coroutine_threadsafe(coroutine, _AsyncLoop.get())
+        return asyncio.run_coroutine_threadsafe(coroutine, user_loop())
     future.set_running_or_notify_cancel()  # running: a timeout cannot cancel it, only leave it
 
     def run() -> None:

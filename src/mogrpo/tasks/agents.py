@@ -20,7 +20,8 @@ from mogrpo.config import TaskConfig
 from mogrpo.data.schema import Example
 from mogrpo.errors import ConfigError, DataError, RewardError
 from mogrpo.rewards.base import load_spec
-from mogrpo.rollout.tools import await_on_tool_loop, tool_schema
+from mogrpo.rollout.tools import tool_schema
+from mogrpo.user_loop import await_all
 
 _RESERVED = ("reset", "get_reward")
 
@@ -74,10 +75,10 @@ class EnvironmentReward:
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
         envs = kwargs.get("environments") or [None] * len(completions)
         values = [env.get_reward() if type(env) is self.cls else None for env in envs]
-        # async ones together, on the loop their async tools ran on
+        # async ones together, on the loop async tools ran on (`mogrpo.user_loop`)
         waiting = [i for i, value in enumerate(values) if inspect.isawaitable(value)]
         if waiting:
-            for i, value in zip(waiting, await_on_tool_loop([values[i] for i in waiting]),
+            for i, value in zip(waiting, await_all([values[i] for i in waiting]),
                                 strict=True):
                 values[i] = value
         return values
