@@ -311,3 +311,31 @@ def test_an_async_reward_function_awaits_what_an_async_tool_started():
                    timeout_s=5)
     got = score([("finished", finished, {})], ["p"] * 3, ["a"] * 3, {"environments": envs})
     assert got[:, 0].tolist() == [1.0] * 3
+
+
+class Counter:
+    """An environment whose class shares its name with a reward of the task."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_an_environment_reward_named_like_a_reward_of_the_task_is_refused(tmp_path):
+    from mogrpo.config import load_config
+    from mogrpo.tasks.task import load_tasks
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def Counter(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    config, _ = load_config(None, [], environ={}, base={
+        "model": {"name_or_path": "unused"}, "output": {"dir": str(tmp_path / "run")},
+        "tasks": {"t": {"data": "builtin:bias_probe?size=8", "rewards": [f"{rewards}:Counter"],
+                        "environment": f"{__file__}:Counter"}}})
+    with pytest.raises(ConfigError) as err:
+        load_tasks(config)
+    assert str(err.value) == (
+        "tasks.t.environment (its class's get_reward): objective 'Counter' has the name of "
+        "tasks.t.rewards.0; each objective needs its own (metrics, the completions log and a "
+        "judge's budget are kept by name): set `name` on the reward, or rename a class")

@@ -123,13 +123,19 @@ def _check_labels(task: str, labels: list[str], configured: int) -> None:
     """Each objective of a task needs a name of its own: its metrics, its completions-log
     column and a judge's stats and checkpointed budget are keyed by it (two `fn: judge`
     without `name` would share one)."""
+    def place(i: int) -> str:
+        return f"tasks.{task}.rewards.{i}" if i < configured else \
+            f"tasks.{task}.environment (its class's get_reward)"
+
     for i, label in enumerate(labels):
         if label in labels[:i]:
-            where = f"tasks.{task}.rewards.{i}" if i < configured else f"tasks.{task}.environment"
+            first = labels.index(label)
+            fix = "set `name` on one of them" if i < configured else \
+                "set `name` on the reward, or rename a class"
             raise ConfigError(
-                f"{where}: objective {label!r} has the name of tasks.{task}.rewards."
-                f"{labels.index(label)}; each objective needs its own (metrics, the completions "
-                "log and a judge's budget are kept by name): set `name` on one of them")
+                f"{place(i)}: objective {label!r} has the name of {place(first)}; each "
+                "objective needs its own (metrics, the completions log and a judge's budget are "
+                f"kept by name): {fix}")
 
 
 def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
