@@ -73,15 +73,11 @@ def test_two_objectives_with_one_name_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("rank", "calls", "tokens"), [(0, 3, 51), (1, 2, 50)])
-def test_each_process_keeps_its_share_of_the_run_budget(tmp_path, monkeypatch, rank, calls,
-                                                       tokens):
+def test_each_process_keeps_its_share_of_the_run_budget(tmp_path, rank, calls, tokens):
     # every process judges its own completions: alone, each could spend the whole budget
-    from mogrpo.trainer.distributed import Dist
-
-    monkeypatch.setattr(Dist, "current", classmethod(lambda cls: cls(rank, 2)))
     options = {**JUDGE, "budget": {"max_calls": 5, "max_tokens": 101}}
     config, _ = load_config(None, [], environ={}, base=base(tmp_path, options))
-    budget = judges(load_tasks(config))["fairness/judge"].budget
+    budget = judges(load_tasks(config, rank, 2))["fairness/judge"].budget
     assert (budget.max_calls, budget.max_tokens) == (calls, tokens)
 
 

@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "mogrpo"
 
 # Lowest first. A package may import its own floor and the floors below, never one above.
 FLOORS = [
-    {"errors", "templates", "version"},
+    {"errors", "templates", "version", "user_loop"},
     {"algo"},  # the math: pure functions on tensors
     # kernels: code for one kind of hardware, behind mogrpo.kernels; sandbox: running code
     # written by the policy, isolated where the machine allows
@@ -29,7 +29,7 @@ FLOORS = [
     {"api", "cli", "demo"},
     {"__init__"},  # the public API (`from mogrpo import Config, train`): nothing imports it
 ]
-ROOT_MODULES = {"__init__", "errors", "templates", "version", "demo", "api"}
+ROOT_MODULES = {"__init__", "errors", "templates", "version", "user_loop", "demo", "api"}
 
 
 @cache

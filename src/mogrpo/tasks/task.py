@@ -25,7 +25,6 @@ from mogrpo.rewards.base import check_positional_only, check_reward_call, resolv
 from mogrpo.rewards.judge import JudgeReward
 from mogrpo.rewards.reward_model import RewardModelReward
 from mogrpo.tasks.agents import Agent
-from mogrpo.trainer.distributed import Dist
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +143,9 @@ def judges(tasks: list[Task]) -> dict[str, JudgeReward]:
             if isinstance(fn, JudgeReward)}
 
 
-def load_tasks(config: RunConfig) -> list[Task]:
-    """Read every task's data and resolve its reward functions (no model needed)."""
+def load_tasks(config: RunConfig, rank: int = 0, world_size: int = 1) -> list[Task]:
+    """Read every task's data and resolve its reward functions (no model needed); this is
+    process `rank` of `world_size` (each keeps its share of a judge's budget)."""
     tasks, problems = [], []
     for name, tc in config.tasks.items():
         try:  # every data file's problems, not only the first file's
@@ -173,10 +173,9 @@ def load_tasks(config: RunConfig) -> list[Task]:
             fns.append((label, fn, {}))  # an environment's get_reward(): weight 1, as in TRL
             schedules.append(from_config(1.0, where=f"tasks.{name}.environment"))
         _check_labels(name, [label for label, _, _ in fns], len(tc.rewards))
-        dist = Dist.current()
-        for _, fn, _ in fns if dist.world_size > 1 else []:
+        for _, fn, _ in fns if world_size > 1 else []:
             if isinstance(fn, JudgeReward):  # each process judges its own completions
-                fn.budget.share(dist.rank, dist.world_size)
+                fn.budget.share(rank, world_size)
         tasks.append(Task(name, tc, train, held_out, fns, schedules, stream, agent))
         log.debug("task %s: %s train / %d eval prompts, rewards %s", name,
                   "streamed" if stream else len(train), len(held_out),

@@ -207,7 +207,8 @@ def _train(config: RunConfig, dist: Dist, resume: str | None,
            allow_config_change: bool) -> dict[str, Any]:
     config, main_dir = join_processes(config, dist)
     seed_everything(config.seed)  # the same in every process: same model, same prompts
-    tasks = load_tasks(config)  # data and reward errors surface before any model loads
+    # data and reward errors surface before any model loads
+    tasks = load_tasks(config, dist.rank, dist.world_size)
     # a process the checkpointed run did not have (1 -> 2 processes) starts its directory afresh
     resuming = resume is not None and (dist.is_main or Path(config.output.dir).is_dir())
     run_dir = prepare_run_dir(config, resuming=resuming)
