@@ -79,3 +79,18 @@ def test_a_key_in_headers_is_refused():
     with pytest.raises(ConfigError, match="keys must not be written in configs") as err:
         JudgeReward.from_options(options, where="judge", cache_dir=None)
     assert KEY not in str(err.value)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("base_url", f"https://user:{KEY}@api.example.com/v1", "base_url holds a user name or password"),
+    ("base_url", f"https://api.example.com/v1?api-key={KEY}", "base_url has a 'api-key' query"),
+    ("extra_body", {"api_key": KEY, "max_tokens": 8}, "extra_body.api_key: keys must not be"),
+])
+def test_a_key_in_the_url_or_the_body_is_refused_without_echo(field, value, message):
+    """They reached config.yaml and every checkpoint's copy of the config."""
+    options = judge_options("https://api.example.com/v1")
+    options["providers"][0][field] = value
+    with pytest.raises(ConfigError) as err:
+        JudgeReward.from_options(options, where="judge", cache_dir=None)
+    assert message in str(err.value) and "api_key_env" in str(err.value)
+    assert KEY not in str(err.value)

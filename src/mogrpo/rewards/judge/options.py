@@ -32,7 +32,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
 from mogrpo.config.sections import reward_label
 from mogrpo.errors import ConfigError, MogrpoError
@@ -52,6 +52,13 @@ PROVIDER_OPTIONS = (
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SECRET_HEADERS = {"authorization", "proxy-authorization", "api-key", "x-api-key"}
+# Names a key goes by in a URL's query or a request body (Azure's `api-key`, Google's `key`, a
+# signed URL's `sig`): written in a config, it would be saved with the run and its checkpoints.
+_SECRET_FIELDS = {"key", "api_key", "apikey", "api-key", "token", "access_token", "auth",
+                  "secret", "password", "sig", "signature"}
+_NO_KEYS = ("keys must not be written in configs (the config is saved with the run and its "
+            "checkpoints); put the key in an environment variable, name it in api_key_env, and "
+            "set api_key_header if the provider expects a header other than Authorization")
 
 
 def parse_options(options: Any, *, where: str, cache_dir: Path | None) -> dict[str, Any]:
@@ -123,6 +130,14 @@ def _provider(spec: Any, where: str) -> Provider:
         raise ConfigError(
             f"{where}.base_url = {base_url!r}: give the API's base URL, e.g. "
             "https://api.openai.com/v1 or http://127.0.0.1:8000/v1 (from `mogrpo serve`)")
+    # never echo the URL from here on: it may hold the key
+    if parsed.username or parsed.password:
+        raise ConfigError(f"{where}.base_url holds a user name or password (user:pass@host): "
+                          + _NO_KEYS)
+    secret = sorted(k for k, _ in parse_qsl(parsed.query, keep_blank_values=True)
+                    if k.lower() in _SECRET_FIELDS)
+    if secret:
+        raise ConfigError(f"{where}.base_url has a {secret[0]!r} query parameter: " + _NO_KEYS)
     if not isinstance(model, str) or not model:
         raise ConfigError(f"{where}.model = {model!r}: give the judge model's name at this provider")
     key_env = spec.get("api_key_env")
@@ -146,16 +161,16 @@ def _provider(spec: Any, where: str) -> Provider:
         raise ConfigError(f"{where}.headers must map header names to string values")
     secret = sorted(k for k in headers if k.lower() in _SECRET_HEADERS)
     if secret:
-        raise ConfigError(
-            f"{where}.headers.{secret[0]}: keys must not be written in configs; put the key in an "
-            "environment variable, name it in api_key_env, and set api_key_header if the provider "
-            "expects a header other than Authorization")
+        raise ConfigError(f"{where}.headers.{secret[0]}: " + _NO_KEYS)
     key_header = spec.get("api_key_header", "Authorization")
     extra = spec.get("extra_body") or {}
     if not isinstance(key_header, str) or not key_header or not isinstance(extra, dict):
         raise ConfigError(
             f"{where}: api_key_header must be a header name and extra_body a mapping of "
             "additional request fields (e.g. {max_completion_tokens: 64})")
+    secret = sorted(k for k in extra if isinstance(k, str) and k.lower() in _SECRET_FIELDS)
+    if secret:
+        raise ConfigError(f"{where}.extra_body.{secret[0]}: " + _NO_KEYS)
     name = spec.get("name") or parsed.hostname
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
         raise ConfigError(f"{where}.name = {name!r}: use letters, digits, '.', '-' or '_'")
