@@ -10,8 +10,11 @@ list of loaded extensions), so the error itself fits into the message.
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mogrpo
@@ -51,3 +54,22 @@ def torchrun(*target: str, nproc: int = 2, timeout: int = 300, check: bool = Tru
     or `-m module ...`)."""
     return run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 *target], timeout=timeout, check=check, env=env)
+
+
+def in_forked_child(call: Callable[[], str], timeout_s: float = 10) -> str:
+    """What `call()` returns in a forked child of this process, or a sentence saying it gave
+    nothing within `timeout_s` (the child leaves without running the parent's cleanup)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, call().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], timeout_s)
+    answer = os.read(read, 4096).decode() if ready else f"no answer within {timeout_s:g} s"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read)
+    return answer

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import select
-import signal
 import threading
 import time
 
@@ -25,6 +23,7 @@ from mogrpo.rewards.base import (
     score,
     score_examples,
 )
+from multiproc import in_forked_child
 
 CHAT = [{"role": "user", "content": "What is 1/3 + 1/3?"}]
 
@@ -184,20 +183,8 @@ def test_async_functions_work_in_a_forked_child():
         return [1.0] * len(completions)
 
     assert score([("one", one, {})], ["p"], ["a"], {}).tolist() == [[1.0]]
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: score, report, leave without running the parent's cleanup
-        try:
-            got = score([("one", one, {})], ["p", "p"], ["a", "b"], {}).tolist()
-            os.write(write, repr(got).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    ready, _, _ = select.select([read], [], [], 10)
-    answer = os.read(read, 100).decode() if ready else "no answer within 10 s"
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    os.close(read)
+    answer = in_forked_child(
+        lambda: repr(score([("one", one, {})], ["p", "p"], ["a", "b"], {}).tolist()))
     assert answer == "[[1.0], [1.0]]"
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import select
-import signal
 import threading
 import time
 
@@ -14,6 +12,7 @@ import pytest
 
 from mogrpo.errors import ConfigError
 from mogrpo.rollout.tools import ToolCall, parse_tool_calls, run_tool_calls, tool_schema
+from multiproc import in_forked_child
 
 
 def calculator(expression: str) -> str:
@@ -137,19 +136,7 @@ def test_async_tools_run_in_a_forked_child():
     # the child inherits the parent's tool loop but not the thread that runs it
     call = [({"lookup": lookup}, ToolCall("lookup", {"key": "k"}))]
     assert run_tool_calls(call, timeout_s=5)[0].content == '{"key": "k", "value": 0}'
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: call, report, leave without running the parent's cleanup
-        try:
-            os.write(write, run_tool_calls(call, timeout_s=2)[0].content.encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    ready, _, _ = select.select([read], [], [], 10)
-    answer = os.read(read, 200).decode() if ready else "no answer within 10 s"
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    os.close(read)
+    answer = in_forked_child(lambda: run_tool_calls(call, timeout_s=2)[0].content)
     assert answer == '{"key": "k", "value": 0}'
 
 
