@@ -142,9 +142,9 @@ def test_async_functions_are_awaited_concurrently():
     async def make_event():
         return asyncio.Event()
 
-    from mogrpo.rewards.base import _event_loop
+    from mogrpo.user_loop import user_loop
 
-    started = asyncio.run_coroutine_threadsafe(make_event(), _event_loop()).result()
+    started = asyncio.run_coroutine_threadsafe(make_event(), user_loop()).result()
     t0 = time.perf_counter()
     got = score([("first", first, {}), ("sync", sync, {}), ("second", second, {})],
                 ["p", "p"], ["a", "b"], {})

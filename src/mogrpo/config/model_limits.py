@@ -285,6 +285,22 @@ def has_chat_template(name_or_path: str) -> bool | None:
         (folder / f).is_file() for f in ("chat_template.jinja", "chat_template.json"))
 
 
+def chat_template_file(value: str) -> Path | None:
+    """The .jinja file `model.chat_template` names; None where it is the template's text (or
+    `tiny_tools`)."""
+    return Path(value).expanduser() if value.strip().endswith(".jinja") and "{" not in value \
+        else None
+
+
+def missing_chat_template_file(value: str) -> str | None:
+    """The error for a `model.chat_template` naming a .jinja file that is not there."""
+    path = chat_template_file(value)
+    if path is None or path.is_file():
+        return None
+    return (f"model.chat_template: file {value} not found (resolved to {path.resolve()}); give "
+            "a .jinja file, the template's text or tiny_tools")
+
+
 def chat_template_errors(config: RunConfig) -> list[str]:
     """What needs a chat template the run will not have: `model.use_chat_template: true`, a
     task with tools (the template renders them) or with `format: chat`, against a tokenizer
@@ -292,11 +308,8 @@ def chat_template_errors(config: RunConfig) -> list[str]:
     mc = config.model
     value = mc.chat_template
     if value is not None:
-        path = Path(value).expanduser()
-        if value.strip().endswith(".jinja") and "{" not in value and not path.is_file():
-            return [f"model.chat_template: file {value} not found (resolved to "
-                    f"{path.resolve()}); give a .jinja file, the template's text or tiny_tools"]
-        return []
+        missing = missing_chat_template_file(value)
+        return [missing] if missing else []
     needs = [f"tasks.{n} has tools (the chat template renders them and their results)"
              for n, t in config.tasks.items() if t.has_tools]
     needs += [f"tasks.{n}.format = chat" for n, t in config.tasks.items() if t.format == "chat"]

@@ -410,6 +410,11 @@ class SFTConfig(Section):
     """Use at most this many examples per task for the warm-up."""
 
 
+EVAL_BATCH = 32
+"""Held-out prompts the quick eval decodes at once (fewer where `rollout.generation_batch_size`
+is smaller); the memory planner counts them."""
+
+
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Greedy evaluation every N GRPO steps (0 = only before and after GRPO)."""

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from mogrpo.config.sections import EVAL_BATCH
 from mogrpo.data.schema import Example
 from mogrpo.eval.pareto import ParetoTracker, Point
 from mogrpo.rewards.base import TrainerState, score_examples
@@ -50,10 +51,6 @@ class Processes(Protocol):
     def shard(self, items: list) -> list: ...
 
     def gather(self, value: Any) -> list[Any]: ...
-
-
-EVAL_BATCH = 32
-"""Held-out prompts decoded at once (fewer where `rollout.generation_batch_size` is smaller)."""
 
 
 def evaluate(ctx: TrainContext, batch_size: int = EVAL_BATCH, samples: int = 0,

@@ -63,6 +63,7 @@ from mogrpo.config import ModelConfig, RunConfig, derive_lengths
 from mogrpo.config.hardware import quantization_errors, quantized_field
 from mogrpo.config.precision import MASTER_BYTES, resolve_precision
 from mogrpo.config.processes import check_processes, strategy_for
+from mogrpo.config.sections import EVAL_BATCH
 from mogrpo.errors import ConfigError, MogrpoError
 from mogrpo.memory.head import chunked, head_bytes, layer_tokens, shared_prompts
 from mogrpo.memory.optimizer import Trained, state_bytes, step_bytes
@@ -76,8 +77,6 @@ GIB = 2**30
 CUDA_OVERHEAD = GIB
 """CUDA context (torch, cuBLAS, cuDNN kernels: ~0.3–0.6 GiB) plus allocator slack, rounded up."""
 ADAPTER_BYTES = 4  # LoRA adapters are trained weights: float32 but under pure bf16
-EVAL_BATCH = 32
-"""`mogrpo.eval.quick_eval.EVAL_BATCH` (tested equal): held-out prompts decoded at once."""
 PHASES = ("always", "generation", "reward models", "training", "optimizer step", "SFT warm-up")
 
 

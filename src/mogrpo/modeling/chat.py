@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from mogrpo.config.model_limits import chat_template_file, missing_chat_template_file
 from mogrpo.errors import ModelError
 
 ROLES = ("system", "user", "assistant")
@@ -18,14 +18,11 @@ def resolve_chat_template(value: str) -> str:
         from mogrpo.modeling.tiny import TOOL_CHAT_TEMPLATE
 
         return TOOL_CHAT_TEMPLATE
-    if value.strip().endswith(".jinja") and "{" not in value:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ModelError(f"model.chat_template: file {value} not found (resolved to "
-                             f"{path.resolve()}); give a .jinja file, the template's text or "
-                             "tiny_tools")
-        return path.read_text(encoding="utf-8")
-    return value
+    missing = missing_chat_template_file(value)
+    if missing:
+        raise ModelError(missing)
+    path = chat_template_file(value)
+    return path.read_text(encoding="utf-8") if path is not None else value
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:

@@ -117,9 +117,8 @@ def load_tokenizer(
     _check_source(name_or_path, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise _unreachable(name_or_path, "tokenizer", err) from err
-    except ValueError as err:  # no tokenizer files: "Couldn't instantiate the backend tokenizer"
+    # ValueError: no tokenizer files ("Couldn't instantiate the backend tokenizer")
+    except (OSError, ValueError) as err:
         raise _unreachable(name_or_path, "tokenizer", err) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -400,12 +400,6 @@ def call_reward(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
     return fn(**arguments)
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The loop every async reward function runs on: the one async tools and environments'
-    `get_reward` run on too (`mogrpo.user_loop`), as they may share what is bound to it."""
-    return user_loop()
-
-
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
@@ -460,8 +454,9 @@ def score(
             for _, other in pending:  # the async ones started so far would run on unseen
                 other.cancel()
             raise _failure(name, e) from e
-        if inspect.isawaitable(result):  # runs on the loop while the next ones are called
-            pending.append((j, asyncio.run_coroutine_threadsafe(_awaited(result), _event_loop())))
+        if inspect.isawaitable(result):  # runs while the next ones are called, on the loop
+            # async tools and environments' get_reward share (`mogrpo.user_loop`)
+            pending.append((j, asyncio.run_coroutine_threadsafe(_awaited(result), user_loop())))
         else:
             results[j] = result
     for j, future in pending:

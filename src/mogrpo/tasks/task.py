@@ -158,15 +158,16 @@ def load_tasks(config: RunConfig, rank: int = 0, world_size: int = 1) -> list[Ta
         agent = Agent.from_config(name, tc)
         if agent is not None and agent.environments:
             columns.append("environments")  # each rollout's environment, as TRL passes it
+        # a rollout_func may return any field its rewards take (TRL's extra_fields)
+        fields_open = agent is not None and agent.rollout_func is not None
         for i, (label, fn, kwargs) in enumerate(fns):
-            # a rollout_func may return any field its rewards take (TRL's extra_fields)
             check_reward_call(label, fn, kwargs, columns, where=f"tasks.{name}.rewards.{i}",
-                              fields_open=agent is not None and agent.rollout_func is not None)
+                              fields_open=fields_open)
             if isinstance(fn, JudgeReward) and fn.fallback is not None:
                 # called with the judge's arguments, first when the judge fails mid-run
                 check_reward_call(*fn.fallback, columns,
                                   where=f"tasks.{name}.rewards.{i}.kwargs.fallback",
-                                  fields_open=agent is not None and agent.rollout_func is not None)
+                                  fields_open=fields_open)
         schedules = [from_config(r.weight, where=f"tasks.{name}.rewards.{i}.weight")
                      for i, r in enumerate(tc.rewards)]
         for label, fn in agent.rewards() if agent is not None else []:

@@ -106,26 +106,26 @@ def prepare_run_dir(config: RunConfig, resuming: bool = False) -> Path:
             raise ConfigError(f"--resume: output.dir {run_dir} does not exist; nothing to resume")
         return run_dir
     started = [name for name in STARTED if (run_dir / name).exists()]
-    if started:  # a run's metrics (a kill in the SFT warm-up leaves only sft_metrics.jsonl)
-        finished = (run_dir / "summary.json").exists()
-        if not config.output.overwrite and not has_checkpoints(run_dir) and finished:
-            raise ConfigError(
-                f"output.dir {run_dir} already holds a finished run (summary.json, no "
-                "checkpoints/); choose another output.dir, or set output.overwrite: true to "
-                "replace it")
-        if not config.output.overwrite and not has_checkpoints(run_dir):
-            raise ConfigError(
-                f"output.dir {run_dir} holds a run that stopped before its first checkpoint "
-                f"({started[0]}, no checkpoints/): nothing to continue; start it again with "
-                "`--set output.overwrite=true` (or set output.overwrite: true), or choose "
-                "another output.dir"
-            )
-        if not config.output.overwrite:
+    if started and not config.output.overwrite:
+        # a run's metrics (a kill in the SFT warm-up leaves only sft_metrics.jsonl)
+        if has_checkpoints(run_dir):
             raise ConfigError(
                 f"output.dir {run_dir} already holds a run ({started[0]}); continue it with "
                 "--resume auto, choose another output.dir, or set output.overwrite: true to "
                 "replace it"
             )
+        if (run_dir / "summary.json").exists():
+            raise ConfigError(
+                f"output.dir {run_dir} already holds a finished run (summary.json, no "
+                "checkpoints/); choose another output.dir, or set output.overwrite: true to "
+                "replace it")
+        raise ConfigError(
+            f"output.dir {run_dir} holds a run that stopped before its first checkpoint "
+            f"({started[0]}, no checkpoints/): nothing to continue; start it again with "
+            "`--set output.overwrite=true` (or set output.overwrite: true), or choose "
+            "another output.dir"
+        )
+    if started:  # output.overwrite: the old run's files go
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         for name in ("final", "sft", CHECKPOINTS):
