@@ -280,7 +280,9 @@ def test_sft_logits_term_is_what_the_warm_up_loss_holds(tmp_path: Path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     peak = max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
     assert est["sft_logits"] == 2 * 256 * 4096 * 16
-    assert 0 <= peak - est["sft_logits"] < 2**13  # the targets and the loss besides
+    # besides: the targets, the loss and whatever scratch a CPU's kernels take (a few KiB
+    # here); the 8 B a logit the planner counted before is 50 % under
+    assert 0 <= peak - est["sft_logits"] < est["sft_logits"] // 20
 
 
 def test_no_sft_warm_up_phase_without_the_warm_up():
