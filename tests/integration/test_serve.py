@@ -131,8 +131,10 @@ def test_concurrent_requests_share_generate_calls(served, monkeypatch):
         time.sleep(0.01)
     batches, calls = batcher.batches - before[0], batcher.generate_calls - before[1]
     # The blocker alone, then 4 (max_batch) drained at once, then the other 3; the sampled
-    # request (top_p 0.5) has its own settings, so its batch makes two generate calls.
-    assert (batches, calls, batcher.largest_batch) == (3, 4, 4)
+    # request (top_p 0.5) has its own settings, so its batch makes two generate calls. (On
+    # this test's machines the sampled one was now and then drained alone, after the other
+    # two: 4 batches of one call each. Either way 4 calls serve 8 requests.)
+    assert calls == 4 and batcher.largest_batch == 4 and batches in (3, 4)
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
